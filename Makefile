@@ -1,0 +1,34 @@
+# Set-up finds Python >= 3.12 itself (the machine's python3 is 3.11; pyenv has 3.12) and keeps
+# everything in .venv/ at the repository root.
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTHON_CANDIDATES := python3.12 python3.13 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) \
+	$(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
+EXTRAS ?= model,dev
+
+.PHONY: demo test lint gpu-bench clean
+
+$(VENV)/.installed: pyproject.toml
+	@py=""; for c in $(PYTHON_CANDIDATES); do \
+	  if $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then py=$$c; break; fi; \
+	done; \
+	if [ -z "$$py" ]; then echo "error: Python >= 3.12 not found (tried: $(PYTHON_CANDIDATES)); install it, e.g. 'pyenv install 3.12'" >&2; exit 1; fi; \
+	echo "using $$py"; \
+	rm -rf $(VENV) && $$py -m venv $(VENV) && \
+	$(PY) -m pip install --quiet --upgrade pip && \
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	@touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m weaver_jax.demo
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -n 2 --durations=15 -m "not gpu"
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check . || true
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

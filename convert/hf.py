@@ -1,0 +1,107 @@
+"""Hugging Face checkpoints -> weaver_jax targets: config translation and one explicit key map."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from weaver_jax._config import ModelConfig, RopeScaling
+from weaver_jax._model import Transformer, target_from_params
+
+FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def config_from_hf(cfg: Mapping, dtype: str = "float32") -> ModelConfig:
+    """Translate a Hugging Face `config.json` dict (Llama / Qwen2 / Qwen3)."""
+    archs = cfg.get("architectures") or []
+    family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
+    if family is None:
+        raise ValueError(f"unsupported architecture {archs}; supported: {sorted(FAMILIES)}")
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    rope_scaling = None
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        rope_scaling = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                   float(scaling["high_freq_factor"]),
+                                   int(scaling["original_max_position_embeddings"]))
+    elif scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {scaling}")
+    rope_theta = cfg.get("rope_theta", (scaling or {}).get("rope_theta", 10_000.0))
+    heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(rope_theta), rope_scaling=rope_scaling,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=family == "qwen3", max_seq_len=int(cfg.get("max_position_embeddings", 8192)),
+        dtype=dtype, family=family)
+
+
+def target_params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF tensor names (Linear weights `[out, in]`) -> the project's flat names (`[in, out]`,
+    fused qkv and gate/up). Raises on missing or unexpected tensors, naming them."""
+    used: set[str] = set()
+
+    def get(name):
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name}")
+        used.add(name)
+        return np.asarray(tensors[name])
+
+    out = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+    if config.tie_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints still store a copy
+    else:
+        out["lm_head"] = get("lm_head.weight").T
+    for i in range(config.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        attn = [get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+        out[q + "attn.qkv"] = np.concatenate(attn, axis=0).T
+        if config.qkv_bias:
+            out[q + "attn.qkv_bias"] = np.concatenate([get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
+        if config.qk_norm:
+            out[q + "attn.q_norm"] = get(p + "self_attn.q_norm.weight")
+            out[q + "attn.k_norm"] = get(p + "self_attn.k_norm.weight")
+        out[q + "attn.out"] = get(p + "self_attn.o_proj.weight").T
+        gate_up = [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+        out[q + "mlp.gate_up"] = np.concatenate(gate_up, axis=0).T
+        out[q + "mlp.down"] = get(p + "mlp.down_proj.weight").T
+        out[q + "attn_norm"] = get(p + "input_layernorm.weight")
+        out[q + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
+    unexpected = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise ValueError(f"unexpected tensors: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+    return out
+
+
+def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json`."""
+    from safetensors.numpy import load_file
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{directory} holds no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(directory / f))
+        except Exception as e:
+            raise ValueError(f"cannot read {directory / f}: {e}") from e
+    return tensors
+
+
+def load_hf_target(directory: str | Path, dtype: str = "float32") -> Transformer:
+    directory = Path(directory)
+    config = config_from_hf(json.loads((directory / "config.json").read_text()), dtype)
+    tensors = {k: v.astype(np.float32) for k, v in read_safetensors(directory).items()}
+    return target_from_params(config, target_params_from_hf(config, tensors))

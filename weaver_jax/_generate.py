@@ -1,0 +1,211 @@
+"""Autoregressive generation as one jitted function, and the `generate` entry point.
+
+`ar_generate` is the pure function JAX programs call: prefill of right-padded ragged prompts,
+then a `lax.while_loop` of one-token decode steps with the cache donated. `generate` is the thin
+host wrapper: validation, padding, compilation cache and timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from weaver_jax._model import KVCache, Transformer
+from weaver_jax._sampling import Sampling, select
+
+
+class ARState(NamedTuple):
+    step: jax.Array  # scalar int32: tokens emitted so far by the longest-running sequence
+    last: jax.Array  # [B] int32: last emitted token (not yet in the cache)
+    cache: KVCache
+    tokens: jax.Array  # [B, max_new_tokens] int32, -1 past each sequence's end
+    num_tokens: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+
+
+class AROutput(NamedTuple):
+    tokens: jax.Array  # [B, max_new_tokens] int32, -1 past num_tokens
+    num_tokens: jax.Array  # [B] int32 (EOS included when hit)
+    rounds: jax.Array  # scalar int32: target forward passes that emitted tokens (prefill included)
+    last: jax.Array  # [B] last emitted token, not yet written to the cache
+    cache: KVCache  # committed: prompt + all emitted tokens but the last
+
+
+def _emit(state: ARState, token: jax.Array, active: jax.Array, eos_ids: tuple[int, ...],
+          max_new_tokens: int) -> ARState:
+    col = jnp.where(active, state.num_tokens, max_new_tokens)  # out of range: dropped
+    tokens = state.tokens.at[jnp.arange(token.shape[0]), col].set(token, mode="drop")
+    num_tokens = state.num_tokens + active
+    hit_eos = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else False
+    done = state.done | (active & hit_eos) | (num_tokens >= max_new_tokens)
+    last = jnp.where(active, token, state.last)
+    return state._replace(last=last, tokens=tokens, num_tokens=num_tokens, done=done)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids"),
+    donate_argnames=("cache",),
+)
+def ar_generate(
+    params: nnx.State,
+    cache: KVCache,
+    prompts: jax.Array,
+    prompt_lengths: jax.Array,
+    keys: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    eos_ids: tuple[int, ...] = (),
+) -> AROutput:
+    """Prefill `prompts [B, T]` (right-padded; real lengths `prompt_lengths [B]`) after whatever
+    `cache` already holds, then decode up to `max_new_tokens` per sequence.
+
+    graphdef, params = `nnx.split(target)`. keys `[B]`: one PRNG key per sequence.
+    The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
+    slots; it is donated.
+    """
+    model = nnx.merge(graphdef, params)
+    b, t = prompts.shape
+    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    out = model(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None])
+    cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
+
+    state = ARState(
+        step=jnp.int32(1), last=jnp.zeros((b,), jnp.int32), cache=cache,
+        tokens=jnp.full((b, max_new_tokens), -1, jnp.int32),
+        num_tokens=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool))
+    first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
+    state = _emit(state, first, jnp.ones((b,), bool), eos_ids, max_new_tokens)
+
+    def cond(s: ARState):
+        return ~jnp.all(s.done)
+
+    def body(s: ARState):
+        active = ~s.done
+        o = model(s.last[:, None], s.cache.lengths[:, None], s.cache)
+        cache = o.cache.with_lengths(s.cache.lengths + active)
+        token = select(o.logits[:, 0], keys, s.step, sampling)
+        s = s._replace(step=s.step + 1, cache=cache)
+        return _emit(s, token, active, eos_ids, max_new_tokens)
+
+    state = jax.lax.while_loop(cond, body, state)
+    return AROutput(state.tokens, state.num_tokens, state.step, state.last, state.cache)
+
+
+def sequence_keys(seed: int | Sequence[int], batch: int) -> jax.Array:
+    """One PRNG key per sequence: `fold_in(key(seed), i)` for an int seed, `key(seed[i])` for a list."""
+    if isinstance(seed, (int, np.integer)):
+        return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(int(seed)), jnp.arange(batch))
+    if len(seed) != batch:
+        raise ValueError(f"got {len(seed)} seeds for {batch} prompts")
+    return jax.vmap(jax.random.key)(jnp.asarray(seed, jnp.uint32))
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # generated ids per prompt, EOS included when hit, nothing after it
+    stats: dict
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise ValueError(f"prompt {i} must be a list of token ids (encode text with bundle.tokenizer)")
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        ids = np.asarray(p)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompt {i} holds non-integer ids")
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5].tolist()}")
+        out.append([int(x) for x in ids])
+    return out
+
+
+def _eos_ids(eos_token_id, default: tuple[int, ...], vocab_size: int) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return tuple(default)
+    ids = (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id)
+    for e in ids:
+        if not 0 <= int(e) < vocab_size:
+            raise ValueError(f"eos_token_id {e} is outside the vocabulary [0, {vocab_size})")
+    return tuple(sorted(int(e) for e in ids))
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn, static: dict, *args):
+    """AOT-compile `fn` once per static configuration and argument shapes, so timing excludes it."""
+    shapes = jax.tree.map(lambda a: (a.shape, a.dtype), args)
+    key = (fn, tuple(sorted(static.items())), str(shapes))
+    if key not in _COMPILED:
+        _COMPILED[key] = fn.lower(*args, **static).compile()
+    return _COMPILED[key]
+
+
+def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
+             eos_token_id: int | Sequence[int] | None = None, **method_options) -> GenerateResult:
+    """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
+
+    eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
+    uses `fold_in(key(seed), i)`) or one seed per prompt. Returns `.tokens` and `.stats`
+    (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`).
+    """
+    if method != "ar":
+        raise ValueError(f"unknown method {method!r}; available: 'ar'")
+    if method_options:
+        raise TypeError(f"method 'ar' takes no options, got {sorted(method_options)}")
+    config = bundle.target.config
+    prompts = validate_prompts(prompts, config.vocab_size)
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    sampling = Sampling(float(temperature), top_k, float(top_p))
+    eos_ids = _eos_ids(eos_token_id, bundle.eos_token_ids, config.vocab_size)
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > config.max_seq_len:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {config.max_seq_len} tokens")
+
+    padded_len = _round_up(longest, 32)
+    batch = np.zeros((len(prompts), padded_len), np.int32)
+    for i, p in enumerate(prompts):
+        batch[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    cache = KVCache.init(config, len(prompts), _round_up(padded_len + max_new_tokens, 128))
+    keys = sequence_keys(seed, len(prompts))
+    graphdef, params = nnx.split(bundle.target)
+
+    static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids)
+    t0 = time.perf_counter()
+    fn = _compiled(ar_generate, static, params, cache, batch, lengths, keys)
+    t1 = time.perf_counter()
+    out = jax.block_until_ready(fn(params, cache, batch, lengths, keys))
+    seconds = time.perf_counter() - t1
+
+    counts = np.asarray(out.num_tokens)
+    tokens = np.asarray(out.tokens)
+    new_tokens = int(counts.sum())
+    stats = dict(rounds=int(out.rounds), new_tokens=new_tokens, seconds=seconds,
+                 tokens_per_second=new_tokens / seconds, compile_seconds=t1 - t0)
+    return GenerateResult([tokens[i, : counts[i]].tolist() for i in range(len(prompts))], stats)

