@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run on the GPU machine from the repository root (device tool): decode vs floor at the Qwen3-8B
+# shape, XLA-flag variants, and SmolLM2-135M-shaped tokens/s at batch 1/8/32. Logs go to $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+variant=${1:-default}
+case "$variant" in
+  default)
+    python3 bench/decode.py --shape qwen3-8b --batch 1 8 --label default --json "$OUT/qwen3-8b_default.json"
+    python3 bench/decode.py --shape smollm2-135m --batch 1 8 32 --label default --json "$OUT/smollm2_default.json" ;;
+  flags)
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+      python3 bench/decode.py --shape qwen3-8b --batch 1 --label cmdbuf-while --json "$OUT/qwen3-8b_cmdbuf.json" ;;
+esac
