@@ -11,7 +11,9 @@ case "$variant" in
   default)
     python3 bench/decode.py --shape qwen3-8b --batch 1 8 --label default --json "$OUT/qwen3-8b_default.json"
     python3 bench/decode.py --shape smollm2-135m --batch 1 8 32 --label default --json "$OUT/smollm2_default.json" ;;
-  flags)
+  qwen)
+    python3 bench/decode.py --shape qwen3-8b --batch 1 8 --label default --json "$OUT/qwen3-8b_default.json" ;;
+  flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
-      python3 bench/decode.py --shape qwen3-8b --batch 1 --label cmdbuf-while --json "$OUT/qwen3-8b_cmdbuf.json" ;;
+      python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;
 esac

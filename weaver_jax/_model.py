@@ -113,6 +113,14 @@ def _write(cache_layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Ar
         cache_layer, new, lengths)
 
 
+def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """GQA attention: q `[B, T, K, G, D]` over k, v `[B, S, K, D]` where mask `[B, T, S]`."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores / math.sqrt(q.shape[-1]), _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+
+
 def _param(rngs: nnx.Rngs, shape, dtype, fan_in: int) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype))
 
@@ -143,11 +151,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
 
-        q = q.reshape(b, t, kv, h // kv, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-        o = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache, preferred_element_type=jnp.float32)
+        o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
         return o.astype(x.dtype).reshape(b, t, h * d) @ self.out[...], k_cache, v_cache
 
 
