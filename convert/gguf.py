@@ -76,7 +76,10 @@ def config_from_gguf(f: GGUFFile, dtype: str = "float32") -> ModelConfig:
     names = {t.name for t in f.reader.tensors}
     heads = int(m[f"{arch}.attention.head_count"])
     width = int(m[f"{arch}.embedding_length"])
-    vocab = int(m.get(f"{arch}.vocab_size", len(m["tokenizer.ggml.tokens"])))
+    embed = next((t for t in f.reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError(f"{f.path}: missing tensor token_embd.weight")
+    vocab = int(m.get(f"{arch}.vocab_size") or embed.shape[-1])
     return ModelConfig(
         vocab_size=vocab, hidden_size=width, intermediate_size=int(m[f"{arch}.feed_forward_length"]),
         num_layers=int(m[f"{arch}.block_count"]), num_heads=heads,

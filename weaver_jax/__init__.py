@@ -16,4 +16,4 @@ __all__ = [
     "Sampling", "Tokenizer", "Transformer", "ar_generate", "generate", "load", "qwen3_8b",
     "sequence_keys", "smollm2_135m", "target_from_params",
 ]
-from weaver_jax import testing  # noqa: E402  (weaver_jax.testing.random_bundle)
+from weaver_jax import testing  # noqa: E402, F401  (weaver_jax.testing.random_bundle)

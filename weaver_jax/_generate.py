@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from weaver_jax._model import KVCache, Transformer
+from weaver_jax._model import KVCache
 from weaver_jax._sampling import Sampling, select
+
+_GREEDY = Sampling()
 
 
 class ARState(NamedTuple):
@@ -64,7 +66,7 @@ def ar_generate(
     *,
     graphdef: nnx.GraphDef,
     max_new_tokens: int,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = _GREEDY,
     eos_ids: tuple[int, ...] = (),
 ) -> AROutput:
     """Prefill `prompts [B, T]` (right-padded; real lengths `prompt_lengths [B]`) after whatever

@@ -74,7 +74,7 @@ def _cached_gguf_target(path: Path, dtype: str) -> Transformer:
         config = ModelConfig.from_dict(json.loads((entry / "config.json").read_text())).replace(dtype=dtype)
         return target_from_params(config, load_file(entry / "params.safetensors"))
     target = gguf.load_gguf_target(path, "float32")
-    params = {k: np.asarray(v) for k, v in flatten_params(nnx.state(target).to_pure_dict()).items()}
+    params = {k: np.asarray(v) for k, v in flatten_params(nnx.to_pure_dict(nnx.state(target))).items()}
     entry.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=entry.parent) as tmp:
         save_file(params, Path(tmp) / "params.safetensors")
@@ -102,7 +102,8 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> Bundle
     else:
         path = Path(name_or_path)
         if not path.exists():
-            raise FileNotFoundError(f"{name!r} is neither a known model name ({sorted(NAMED_MODELS)}) nor an existing path")
+            raise FileNotFoundError(
+                f"{name!r} is neither a known model name ({sorted(NAMED_MODELS)}) nor an existing path")
     if path.is_dir():
         target = hf.load_hf_target(path, dtype)
         return Bundle(target, name=name)

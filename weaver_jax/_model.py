@@ -237,7 +237,7 @@ class Transformer(nnx.Module):
 
 
 def flatten_params(tree, prefix: str = "") -> dict:
-    """Nested pure dict (as `nnx.State.to_pure_dict` gives) -> {"layers.0.attn.qkv": leaf}."""
+    """Nested pure dict (as `nnx.to_pure_dict` gives) -> {"layers.0.attn.qkv": leaf}."""
     flat = {}
     for k, v in tree.items():
         name = f"{prefix}{k}"
@@ -252,7 +252,7 @@ def target_from_params(config: ModelConfig, params: dict) -> Transformer:
     """Build a Transformer from flat `{name: array}` in the project's layout (names as
     `flatten_params` prints them), checking that every tensor is present with its shape."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    expected = flatten_params(state.to_pure_dict())
+    expected = flatten_params(nnx.to_pure_dict(state))
     missing = sorted(set(expected) - set(params))
     unexpected = sorted(set(params) - set(expected))
     if missing or unexpected:
@@ -260,7 +260,7 @@ def target_from_params(config: ModelConfig, params: dict) -> Transformer:
     for name, abstract in expected.items():
         if tuple(params[name].shape) != tuple(abstract.shape):
             raise ValueError(f"{name}: expected shape {tuple(abstract.shape)}, got {tuple(params[name].shape)}")
-    nested = state.to_pure_dict()
+    nested = nnx.to_pure_dict(state)
 
     def fill(tree, prefix=""):
         for k, v in tree.items():

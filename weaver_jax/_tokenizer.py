@@ -31,7 +31,7 @@ class Tokenizer:
             raise ValueError(f"unsupported pre-tokenizer {pre!r}; supported: smollm, gpt2, default")
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(tokens, token_types) if kind in _SPECIAL_TYPES])
+                                for t, kind in zip(tokens, token_types, strict=True) if kind in _SPECIAL_TYPES])
         self._tok = tok
         self.tokens = list(tokens)
         self.vocab_size = len(tokens)
@@ -41,7 +41,8 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, m: dict) -> Tokenizer:
         if m.get("tokenizer.ggml.model") != "gpt2":
-            raise ValueError(f"unsupported tokenizer model {m.get('tokenizer.ggml.model')!r} (only byte-level BPE, 'gpt2')")
+            model = m.get("tokenizer.ggml.model")
+            raise ValueError(f"unsupported tokenizer model {model!r} (only byte-level BPE, 'gpt2')")
         return cls(m["tokenizer.ggml.tokens"], m["tokenizer.ggml.merges"], m["tokenizer.ggml.token_type"],
                    m.get("tokenizer.ggml.pre", "default"),
                    bos_token_id=m.get("tokenizer.ggml.bos_token_id"),

@@ -33,7 +33,7 @@ def random_target(config: ModelConfig, seed: int = 0) -> Transformer:
     for path, param in nnx.iter_graph(model):
         if isinstance(param, nnx.Param) and path[-1] in ("attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"):
             key, sub = jax.random.split(key)
-            param.value = (1 + 0.2 * jax.random.normal(sub, param.value.shape)).astype(param.value.dtype)
+            param[...] = (1 + 0.2 * jax.random.normal(sub, param.shape)).astype(param.dtype)
     return model
 
 

@@ -1,0 +1,34 @@
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import weaver_jax  # noqa: E402
+from weaver_jax.convert.hf import target_params_from_hf  # noqa: E402
+from weaver_jax.testing import random_config  # noqa: E402
+
+from . import reference  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+FAMILIES = {
+    "llama3": dict(family="llama", llama3_scaling=True),
+    "llama_tied": dict(family="llama", tie_embeddings=True),
+    "qwen2": dict(family="qwen2"),
+    "qwen3": dict(family="qwen3", head_dim=32),
+}
+
+
+def make_pair(name: str, seed: int = 0, dtype: str = "float32", **overrides):
+    """A random config, its HF-named weights, and the Flax target built from them by the key map."""
+    cfg = random_config(**{**FAMILIES[name], **overrides, "dtype": dtype})
+    weights = reference.random_hf_weights(cfg, seed)
+    target = weaver_jax.target_from_params(cfg, target_params_from_hf(cfg, weights))
+    return cfg, weights, target
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param
