@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -116,6 +117,18 @@ def decode_seconds(target, batch: int, context: int, cache_size: int, new_tokens
     return (long - short) / new_tokens, short
 
 
+def kernels_per_step(target, batch: int, context: int, cache_size: int) -> int:
+    """Kernels launched per decode step: fusions and custom calls in the compiled while-loop body."""
+    graphdef, params = nnx.split(target)
+    cache = wj.KVCache.init(target.config, batch, cache_size)
+    prompts = jnp.zeros((batch, context), jnp.int32)
+    text = wj.ar_generate.lower(params, cache, prompts, jnp.full((batch,), context, jnp.int32),
+                                wj.sequence_keys(0, batch), graphdef=graphdef, max_new_tokens=2).compile().as_text()
+    body = re.search(r" while\(.*?body=%([\w.\-]+)", text).group(1)
+    computation = re.search(rf"^%{re.escape(body)} .*?^}}", text, re.M | re.S).group(0)
+    return len(re.findall(r"= [^=]*\b(?:fusion|custom-call)\(", computation))
+
+
 def step_seconds(target, batch: int, context: int, cache_size: int, repeats: int) -> float:
     """One jitted decode step (forward T=1 + argmax) called from Python, cache donated."""
     config = target.config
@@ -165,20 +178,23 @@ def main():
         floor, nbytes = min(floors["floor_matvec"], floors["floor_read"]), floors["weight_bytes"]
         decode, prefill = decode_seconds(target, b, args.context, args.cache, args.new_tokens, args.repeats)
         step = step_seconds(target, b, args.context, args.cache, 20)
+        kernels = kernels_per_step(target, b, args.context, args.cache)
         row = dict(shape=args.shape, dtype=dtype, batch=b, context=args.context, cache=args.cache,
                    weight_bytes=nbytes, floor_matvec_ms=floors["floor_matvec"] * 1e3,
                    floor_read_ms=floors["floor_read"] * 1e3, floor_ms=floor * 1e3, floor_tb_s=nbytes / floor / 1e12,
                    decode_ms=decode * 1e3, decode_over_floor=decode / floor, step_call_ms=step * 1e3,
-                   tokens_per_s=b / decode, prefill_plus_one_ms=prefill * 1e3, label=args.label,
+                   tokens_per_s=b / decode, kernels_per_step=kernels, prefill_plus_one_ms=prefill * 1e3,
+                   label=args.label,
                    device=jax.devices()[0].device_kind, jax=jax.__version__)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"{'shape':>13} {'B':>3} {'matvec ms':>9} {'read ms':>8} {'TB/s':>5} {'decode ms':>9} {'x floor':>7} "
-          f"{'step ms':>8} {'tok/s':>9}")
+          f"{'step ms':>8} {'tok/s':>9} {'kernels':>7}")
     for r in rows:
         print(f"{r['shape']:>13} {r['batch']:>3} {r['floor_matvec_ms']:9.3f} {r['floor_read_ms']:8.3f} "
               f"{r['floor_tb_s']:5.2f} {r['decode_ms']:9.3f} "
-              f"{r['decode_over_floor']:7.3f} {r['step_call_ms']:8.3f} {r['tokens_per_s']:9.1f}")
+              f"{r['decode_over_floor']:7.3f} {r['step_call_ms']:8.3f} {r['tokens_per_s']:9.1f} "
+              f"{r['kernels_per_step']:7d}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -15,13 +15,17 @@ from .conftest import make_pair
 
 
 def plain_greedy(target, prompt: list[int], n: int) -> list[int]:
-    """Recompute the whole sequence every step (no cache reuse) and take the argmax."""
-    seq = list(prompt)
-    for _ in range(n):
-        cache = KVCache.init(target.config, 1, len(seq) + 1)
-        logits = target(jnp.asarray([seq]), jnp.arange(len(seq))[None], cache).logits[0, -1]
-        seq.append(int(jnp.argmax(logits)))
-    return seq[len(prompt):]
+    """Recompute the whole sequence every step (no cache reuse) and take the argmax. The sequence
+    is zero-padded to its final length: under the causal mask padding after a token cannot
+    change that token's logits, and one shape means one compilation."""
+    total = len(prompt) + n
+    seq = np.zeros(total, np.int32)
+    seq[: len(prompt)] = prompt
+    cache = KVCache.init(target.config, 1, total)
+    for t in range(len(prompt), total):
+        logits = target(jnp.asarray(seq[None]), jnp.arange(total)[None], cache).logits[0, t - 1]
+        seq[t] = int(jnp.argmax(logits))
+    return seq[len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("seed", [0, 1])

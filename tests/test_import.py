@@ -146,3 +146,22 @@ def test_smollm2_greedy_answer(smollm2):
     text = smollm2.tokenizer.decode(out.tokens[0], skip_special_tokens=True)
     assert "Paris" in text and out.tokens[0][-1] == 2
     assert math.isfinite(out.stats["tokens_per_second"]) and out.stats["tokens_per_second"] > 0
+
+
+def test_converted_weights_are_cached_on_disk(tmp_path, monkeypatch):
+    """The second load of a GGUF reads the converted weights instead of dequantizing again."""
+    monkeypatch.setenv("WEAVER_JAX_CACHE", str(tmp_path / "cache"))
+    cfg, weights, _ = make_pair("qwen2", seed=23)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, cfg, weights, "qwen2")
+    first = weaver_jax.load(path, dtype="float32")
+    assert len(list((tmp_path / "cache").glob("*/params.safetensors"))) == 1
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("dequantized again despite the cache")
+
+    monkeypatch.setattr(gguf_convert, "load_gguf_target", no_conversion)
+    second = weaver_jax.load(path, dtype="bfloat16")
+    assert second.config.dtype == "bfloat16" and second.target.embed[...].dtype == jnp.bfloat16
+    ids = np.arange(6)[None]
+    np.testing.assert_allclose(logits_of(second.target, ids), logits_of(first.target, ids), atol=0.1)

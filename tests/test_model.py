@@ -111,7 +111,8 @@ def test_tree_verify_equals_sequential_decoding(family, shape):
         for node in range(n):
             path = np.flatnonzero(anc[node])  # ancestors in order: parents precede children
             seq = np.concatenate([prompts[b, : prompt_lengths[b]], nodes[b, path]])
-            ref = forward_all(target, seq[None], cache_size=48).logits[0, -1]
+            padded = np.pad(seq, (0, 20 - len(seq)))  # causal: padding after cannot matter
+            ref = forward_all(target, padded[None], cache_size=48).logits[0, len(seq) - 1]
             np.testing.assert_allclose(tree.logits[b, node], ref, atol=ATOL_F32)
 
 

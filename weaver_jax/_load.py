@@ -109,6 +109,6 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> Bundle
         return Bundle(target, name=name)
     f = gguf.open_gguf(path)
     gguf.config_from_gguf(f)  # fails early on an unsupported architecture
-    tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
-    eos = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    tokenizer = Tokenizer.from_gguf_metadata(f.metadata) if "tokenizer.ggml.tokens" in f.metadata else None
+    eos = () if tokenizer is None or tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
     return Bundle(_cached_gguf_target(path, dtype), tokenizer, eos_token_ids=eos, name=name)
