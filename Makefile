@@ -28,7 +28,6 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check . || true
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -143,3 +143,13 @@ def test_cli_generate_text_with_the_real_model(capsys):
     assert cli.main(["generate", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
     captured = capsys.readouterr()
     assert "Paris" in captured.out and "tokens/s" in captured.err
+
+
+def test_pure_function_rejects_a_cache_that_is_too_small(bundle):
+    from flax import nnx
+
+    graphdef, params = nnx.split(bundle.target)
+    cache = weaver_jax.KVCache.init(bundle.config, 1, 16)
+    with pytest.raises(ValueError, match="cache of 16 slots cannot hold prompts of 8 \\+ 9 new tokens"):
+        weaver_jax.ar_generate(params, cache, np.ones((1, 8), np.int32), np.array([8], np.int32),
+                               weaver_jax.sequence_keys(0, 1), graphdef=graphdef, max_new_tokens=9)

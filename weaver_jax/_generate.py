@@ -76,8 +76,10 @@ def ar_generate(
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
     slots; it is donated.
     """
-    model = nnx.merge(graphdef, params)
     b, t = prompts.shape
+    if t + max_new_tokens > cache.size:  # necessary even for an empty cache; slots would be clamped
+        raise ValueError(f"cache of {cache.size} slots cannot hold prompts of {t} + {max_new_tokens} new tokens")
+    model = nnx.merge(graphdef, params)
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
     out = model(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None])
     cache = out.cache.with_lengths(cache.lengths + prompt_lengths)

@@ -216,6 +216,8 @@ class Transformer(nnx.Module):
         """tokens, positions `[B, T]` int; attend `[B, T, T]` bool (None: causal);
         logits_rows `[B, R]` row indices into T (None: every row)."""
         b, t = tokens.shape
+        if t > cache.size:
+            raise ValueError(f"{t} new tokens do not fit in a cache of {cache.size} slots")
         if any(not 0 <= i < self.config.num_layers for i in hidden_layers):
             raise ValueError(f"hidden_layers {hidden_layers} outside [0, {self.config.num_layers})")
         if attend is None:
