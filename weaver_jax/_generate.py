@@ -166,18 +166,37 @@ def _compiled(fn, static: dict, *args):
     return _COMPILED[key]
 
 
+def _speculative_setup(bundle, method: str, method_options: dict):
+    """Check the drafter against the target and the method's options; -> (options, tree nodes)."""
+    from weaver_jax._speculative import tree_options
+
+    if bundle.drafter is None:
+        raise ValueError(f"method {method!r} needs a drafter, but bundle.drafter is None "
+                         "(load a bundle with a drafter, or use method='ar')")
+    dconfig = bundle.drafter.config
+    dconfig.check_target(bundle.target.config)
+    options = tree_options(method, method_options, block_size=dconfig.block_size, vocab_size=dconfig.vocab_size)
+    nodes = options["budget"] + 1 if "budget" in options else dconfig.block_size
+    return options, nodes
+
+
 def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
              eos_token_id: int | Sequence[int] | None = None, **method_options) -> GenerateResult:
     """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
 
-    eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
-    uses `fold_in(key(seed), i)`) or one seed per prompt. Returns `.tokens` and `.stats`
-    (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`).
+    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain) or "ddtree" (option
+    `budget`, default 64): the speculative methods emit exactly what "ar" would (greedy) or the
+    same distribution (sampling). eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS.
+    seed: an int (sequence i uses `fold_in(key(seed), i)`) or one seed per prompt. Returns
+    `.tokens` and `.stats` (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`,
+    `new_tokens`; speculative methods add `mean_accepted_length` and `accepted_length_histogram`).
     """
-    if method != "ar":
-        raise ValueError(f"unknown method {method!r}; available: 'ar'")
-    if method_options:
+    from weaver_jax._speculative import METHODS, spec_generate
+
+    if method not in ("ar", *METHODS):
+        raise ValueError(f"unknown method {method!r}; available: {['ar', *METHODS]}")
+    if method == "ar" and method_options:
         raise TypeError(f"method 'ar' takes no options, got {sorted(method_options)}")
     config = bundle.target.config
     prompts = validate_prompts(prompts, config.vocab_size)
@@ -190,21 +209,33 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {config.max_seq_len} tokens")
+    if method != "ar":
+        options, nodes = _speculative_setup(bundle, method, method_options)
 
     padded_len = _round_up(longest, 32)
     batch = np.zeros((len(prompts), padded_len), np.int32)
     for i, p in enumerate(prompts):
         batch[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    cache = KVCache.init(config, len(prompts), _round_up(padded_len + max_new_tokens, 128))
     keys = sequence_keys(seed, len(prompts))
     graphdef, params = nnx.split(bundle.target)
-
     static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids)
+    if method == "ar":
+        size = _round_up(padded_len + max_new_tokens, 128)
+        fn, args = ar_generate, [params, KVCache.init(config, len(prompts), size)]
+    else:
+        drafter_graphdef, drafter_params = nnx.split(bundle.drafter)
+        static.update(drafter_graphdef=drafter_graphdef, method=method, options=tuple(sorted(options.items())))
+        size = _round_up(padded_len + max_new_tokens + nodes, 128)
+        dsize = _round_up(padded_len + max_new_tokens + bundle.drafter.config.block_size, 128)
+        fn, args = spec_generate, [params, drafter_params, KVCache.init(config, len(prompts), size),
+                                   bundle.drafter.init_cache(len(prompts), dsize)]
+    args += [batch, lengths, keys]
+
     t0 = time.perf_counter()
-    fn = _compiled(ar_generate, static, params, cache, batch, lengths, keys)
+    compiled = _compiled(fn, static, *args)
     t1 = time.perf_counter()
-    out = jax.block_until_ready(fn(params, cache, batch, lengths, keys))
+    out = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - t1
 
     counts = np.asarray(out.num_tokens)
@@ -212,4 +243,11 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     new_tokens = int(counts.sum())
     stats = dict(rounds=int(out.rounds), new_tokens=new_tokens, seconds=seconds,
                  tokens_per_second=new_tokens / seconds, compile_seconds=t1 - t0)
+    if method != "ar":
+        histogram = np.asarray(out.histogram).sum(0)
+        verifications = int(np.asarray(out.seq_rounds).sum())
+        # tau: tokens emitted per verification, bonus included (the prefill's first token excluded)
+        stats["mean_accepted_length"] = float((histogram * np.arange(len(histogram))).sum() / max(verifications, 1))
+        stats["accepted_length_histogram"] = histogram.tolist()
+        stats["rounds"] = int(out.rounds) + 1  # + the prefill, as for "ar"
     return GenerateResult([tokens[i, : counts[i]].tolist() for i in range(len(prompts))], stats)

@@ -137,7 +137,8 @@ class Attention(nnx.Module):
         self.k_norm = nnx.Param(jnp.ones((c.head_dim,), dt)) if c.qk_norm else None
         self.out = _param(rngs, (c.num_heads * c.head_dim, c.hidden_size), dt, c.num_heads * c.head_dim)
 
-    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
+    def project(self, x, positions, inv_freq):
+        """x `[B, T, D]` -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = x @ self.qkv[...]
@@ -148,9 +149,13 @@ class Attention(nnx.Module):
         v = qkv[..., (h + kv) * d :].reshape(b, t, kv, d)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm[...], self.eps), rms_norm(k, self.k_norm[...], self.eps)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
+    def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
+        b, t, _ = x.shape
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.project(x, positions, inv_freq)
+        k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
         o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
         return o.astype(x.dtype).reshape(b, t, h * d) @ self.out[...], k_cache, v_cache
 
@@ -198,7 +203,10 @@ class Transformer(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Final norm + LM head: `[..., D] -> [..., V]` float32."""
-        h = rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
+        return self.head(rms_norm(h, self.final_norm[...], self.config.rms_norm_eps))
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """The LM head alone (the drafter applies it to its own normed states): `[..., D] -> [..., V]`."""
         if self.lm_head is None:
             return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
@@ -222,20 +230,26 @@ class Transformer(nnx.Module):
             raise ValueError(f"hidden_layers {hidden_layers} outside [0, {self.config.num_layers})")
         if attend is None:
             attend = causal_attend(b, t)
-        mask = visibility_mask(cache.lengths, attend, cache.size)
-        inv_freq = rope_frequencies(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
-        hidden, ks, vs = {}, [], []
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, mask)
-            ks.append(k)
-            vs.append(v)
-            if i in hidden_layers:
-                hidden[i] = x
+        x, hidden, new_cache = run_blocks(self.layers, x, positions, rope_frequencies(self.config), cache, attend,
+                                          hidden_layers)
         if logits_rows is not None:
             x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
-        new_cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
-        return ForwardOutput(self.logits(x), tuple(hidden[i] for i in hidden_layers), new_cache)
+        return ForwardOutput(self.logits(x), hidden, new_cache)
+
+
+def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_layers=()):
+    """The layer stack shared by target and drafter: returns the last output, the outputs of
+    `hidden_layers`, and the cache with the new K/V written (lengths unchanged)."""
+    mask = visibility_mask(cache.lengths, attend, cache.size)
+    hidden, ks, vs = {}, [], []
+    for i, layer in enumerate(layers):
+        x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, mask)
+        ks.append(k)
+        vs.append(v)
+        if i in hidden_layers:
+            hidden[i] = x
+    return x, tuple(hidden[i] for i in hidden_layers), KVCache(tuple(ks), tuple(vs), cache.lengths)
 
 
 def flatten_params(tree, prefix: str = "") -> dict:

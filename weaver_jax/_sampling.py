@@ -72,11 +72,12 @@ def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
 
 
 def select(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
-    """logits `[B, V]`, keys `[B]` (one per sequence), step scalar -> tokens `[B]` int32."""
+    """logits `[B, V]`, keys `[B]` (one per sequence), step scalar or `[B]` -> tokens `[B]` int32.
+    The draw of sequence i uses `fold_in(keys[i], step[i])`."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     values, ids = filtered_logits(logits, sampling)
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(step, keys.shape))
     choice = jax.vmap(jax.random.categorical)(step_keys, values)
     if ids is not None:
         choice = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flax import nnx
 
 from weaver_jax._config import ModelConfig, RopeScaling
+from weaver_jax._drafter import Drafter, random_drafter_config
 from weaver_jax._load import Bundle
 from weaver_jax._model import Transformer
 
@@ -37,7 +38,13 @@ def random_target(config: ModelConfig, seed: int = 0) -> Transformer:
     return model
 
 
-def random_bundle(seed: int = 0, *, eos_token_ids: tuple[int, ...] = (), **config_options) -> Bundle:
-    """A bundle with a small random target (`random_config` options); drafter and adapter come later."""
-    return Bundle(random_target(random_config(**config_options), seed), eos_token_ids=tuple(eos_token_ids),
-                  name=f"random-{seed}")
+def random_bundle(seed: int = 0, *, eos_token_ids: tuple[int, ...] = (), drafter: bool = True,
+                  block_size: int = 8, drafter_layers: int = 2, **config_options) -> Bundle:
+    """A bundle with a small random target (`random_config` options) and, unless `drafter=False`,
+    a random drafter for it; the adapter comes later."""
+    target = random_target(random_config(**config_options), seed)
+    draft = None
+    if drafter:
+        dconfig = random_drafter_config(target.config, num_layers=drafter_layers, block_size=block_size)
+        draft = Drafter(dconfig, rngs=nnx.Rngs(seed + 7))
+    return Bundle(target, drafter=draft, eos_token_ids=tuple(eos_token_ids), name=f"random-{seed}")

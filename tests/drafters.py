@@ -1,0 +1,39 @@
+"""Test drafters that know the answer, so long paths get accepted and committed."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from weaver_jax._drafter import random_drafter_config
+from weaver_jax._model import KVCache
+
+
+class OracleDrafter(nnx.Module):
+    """Proposes the target's own greedy continuation (run from the committed target cache), as
+    confident logits; with `corrupt=True` one position per round (chosen by the context length)
+    is replaced by another token, so accepted lengths vary and rejections happen mid-path."""
+
+    def __init__(self, target_config, block_size: int = 6, corrupt: bool = False):
+        self.config = random_drafter_config(target_config, num_layers=1, block_size=block_size)
+        self.corrupt = corrupt
+
+    def init_cache(self, batch: int, size: int) -> KVCache:
+        return KVCache(k=(), v=(), lengths=jnp.zeros((batch,), jnp.int32))
+
+    def commit(self, cache, target_hidden, positions, num_new):
+        return KVCache(k=(), v=(), lengths=cache.lengths + num_new.astype(jnp.int32))
+
+    def propose(self, target, target_cache, root, cache):
+        depth, vocab = self.config.block_size - 1, self.config.vocab_size
+        tokens, token, c = [], root, target_cache
+        for i in range(depth):
+            out = target(token[:, None], (target_cache.lengths + i)[:, None], c)
+            c = out.cache.with_lengths(c.lengths + 1)
+            token = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+            tokens.append(token)
+        tokens = jnp.stack(tokens, 1)  # [B, K]
+        if self.corrupt:
+            where = (target_cache.lengths % (depth + 2))[:, None] == jnp.arange(depth)[None, :]
+            tokens = jnp.where(where, (tokens + 1) % vocab, tokens)
+        noise = jax.random.normal(jax.random.key(0), (depth, vocab))
+        return 8.0 * jax.nn.one_hot(tokens, vocab) + noise[None]

@@ -1,0 +1,155 @@
+"""Speculative methods are lossless: greedy output equals plain decoding, sampled output has the
+autoregressive distribution, and the committed cache equals plain decoding's."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import weaver_jax
+from weaver_jax import KVCache
+from weaver_jax.testing import random_bundle
+
+from .drafters import OracleDrafter
+
+METHODS = [("dflash", {}), ("ddtree", {"budget": 12})]
+
+
+def bundles(seed: int, tie: bool):
+    """A random drafter, an oracle, and a corrupted oracle for the same random target."""
+    rb = random_bundle(seed, tie_embeddings=tie, family="qwen3" if seed % 2 else "llama", block_size=6)
+    yield "random", rb
+    for corrupt in (False, True):
+        yield f"oracle{'-corrupt' if corrupt else ''}", weaver_jax.Bundle(
+            rb.target, drafter=OracleDrafter(rb.config, block_size=6, corrupt=corrupt))
+
+
+@pytest.mark.parametrize("seed,tie", [(0, False), (1, True), (2, True)])
+@pytest.mark.parametrize("method,options", METHODS)
+def test_greedy_equals_autoregressive(seed, tie, method, options):
+    rng = np.random.default_rng(seed)
+    for name, bundle in bundles(seed, tie):
+        prompts = [rng.integers(0, 100, n).tolist() for n in (5, 12, 2)]
+        for batch in ([prompts[0]], prompts):
+            ar = weaver_jax.generate(bundle, batch, max_new_tokens=20)
+            spec = weaver_jax.generate(bundle, batch, method=method, max_new_tokens=20, **options)
+            assert spec.tokens == ar.tokens, (name, method)
+            if name == "oracle":  # a perfect drafter: every round accepts the whole block
+                assert spec.stats["mean_accepted_length"] > 4, spec.stats
+            hist = spec.stats["accepted_length_histogram"]
+            assert sum(hist) > 0 and hist[0] == 0
+
+
+@pytest.mark.parametrize("method,options", METHODS)
+def test_eos_and_max_new_tokens_are_exact(method, options):
+    rb = random_bundle(3, block_size=6)
+    bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=6, corrupt=True))
+    prompts = [[5, 6, 7], [9, 1, 2, 3, 4], [17]]
+    free = weaver_jax.generate(bundle, prompts, max_new_tokens=15, eos_token_id=[]).tokens
+    for max_new in (1, 4, 15):
+        out = weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=max_new, eos_token_id=[], **options)
+        assert out.tokens == [t[:max_new] for t in free]
+    eos = free[0][5]
+    ar = weaver_jax.generate(bundle, prompts, max_new_tokens=15, eos_token_id=eos).tokens
+    spec = weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=15, eos_token_id=eos, **options)
+    assert spec.tokens == ar
+    assert ar[0] == free[0][: free[0].index(eos) + 1]
+
+
+@pytest.mark.parametrize("method,options", METHODS)
+def test_committed_cache_equals_plain_decoding(method, options):
+    """After the rounds, slots [0, len) hold exactly the K/V a plain forward over the committed
+    tokens (prompt + every emitted token but the last) computes, and len counts them."""
+    from flax import nnx
+
+    from weaver_jax._speculative import spec_generate
+
+    rb = random_bundle(4, block_size=6)
+    bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=6, corrupt=True))
+    prompts = np.array([[3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12]], np.int32)
+    lengths = np.array([4, 6], np.int32)
+    graphdef, params = nnx.split(bundle.target)
+    dgraphdef, dparams = nnx.split(bundle.drafter)
+    out = spec_generate(params, dparams, KVCache.init(bundle.config, 2, 64), bundle.drafter.init_cache(2, 64),
+                        prompts, lengths, weaver_jax.sequence_keys(0, 2), graphdef=graphdef,
+                        drafter_graphdef=dgraphdef, method=method, options=tuple(options.items()),
+                        max_new_tokens=17)
+    assert int(out.rounds) < 17  # several tokens per round were committed
+    for b in range(2):
+        emitted = np.asarray(out.tokens[b, : int(out.num_tokens[b])])
+        committed = np.concatenate([prompts[b, : lengths[b]], emitted[:-1]])
+        assert int(out.cache.lengths[b]) == len(committed)
+        ref = bundle.target(jnp.asarray(committed[None]), jnp.arange(len(committed))[None],
+                            KVCache.init(bundle.config, 1, 64)).cache
+        for layer in range(bundle.config.num_layers):
+            np.testing.assert_allclose(out.cache.k[layer][b, : len(committed)], ref.k[layer][0, : len(committed)],
+                                       atol=1e-5)
+            np.testing.assert_allclose(out.cache.v[layer][b, : len(committed)], ref.v[layer][0, : len(committed)],
+                                       atol=1e-5)
+
+
+def exact_three_token_distribution(target, prompt: list[int], temperature: float) -> np.ndarray:
+    """P(x1, x2, x3 | prompt) of autoregressive sampling, enumerated from the target."""
+    v = target.config.vocab_size
+    probs = np.zeros((v, v, v))
+    for seq in itertools.product(range(v), repeat=2):
+        ids = np.array(prompt + list(seq))
+        logits = np.asarray(target(jnp.asarray(ids[None]), jnp.arange(len(ids))[None],
+                                   KVCache.init(target.config, 1, len(ids))).logits[0], np.float64)
+        p = jax.nn.softmax(jnp.asarray(logits[len(prompt) - 1 :] / temperature), -1)
+        p = np.asarray(p, np.float64)
+        probs[seq[0], seq[1], :] = p[0, seq[0]] * p[1, seq[1]] * p[2]
+    return probs
+
+
+@pytest.mark.parametrize("method,options", [("dflash", {}), ("ddtree", {"budget": 6})])
+def test_sampling_matches_the_autoregressive_distribution(method, options):
+    """16000 samples of the first 3 tokens: chi-square over the 64 outcomes against the exact
+    probabilities, and a per-token check of the first token that a 2% bias would fail
+    (sd of a frequency <= 0.4%, so 2% is > 5 sd)."""
+    rb = random_bundle(5, vocab_size=4, hidden_size=32, intermediate_size=32, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=16, block_size=4)
+    prompt = [1, 3, 0]
+    n = 16_000
+    exact = exact_three_token_distribution(rb.target, prompt, temperature=1.0)
+    for bundle in (rb, weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4))):
+        out = weaver_jax.generate(bundle, [prompt] * n, method=method, max_new_tokens=3, temperature=1.0,
+                                  eos_token_id=[], seed=list(range(n)), **options)
+        samples = np.array(out.tokens)
+        counts = np.zeros((4, 4, 4))
+        np.add.at(counts, (samples[:, 0], samples[:, 1], samples[:, 2]), 1)
+        expected = exact * n
+        chi2 = ((counts - expected) ** 2 / expected).sum()
+        assert chi2 < 63 + 6 * np.sqrt(2 * 63), chi2  # ~ 6 sd above the mean of chi2(63)
+        first = counts.sum((1, 2)) / n
+        assert np.all(np.abs(first - exact.sum((1, 2))) < 0.02 * 0.5), first
+        if isinstance(bundle.drafter, OracleDrafter):
+            assert out.stats["mean_accepted_length"] > 1.3, out.stats
+
+
+def test_speculative_bad_input():
+    rb = random_bundle(6, block_size=6)
+    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
+        weaver_jax.generate(rb, [[1]], method="ddtree", max_new_tokens=2, budget=0)
+    with pytest.raises(ValueError, match="larger than the frontier allows"):
+        weaver_jax.generate(rb, [[1]], method="ddtree", max_new_tokens=2, budget=10**6)
+    with pytest.raises(ValueError, match="block_size=16 was requested but the drafter was trained with 6"):
+        weaver_jax.generate(rb, [[1]], method="dflash", max_new_tokens=2, block_size=16)
+    with pytest.raises(TypeError, match="takes no options"):
+        weaver_jax.generate(rb, [[1]], method="dflash", max_new_tokens=2, budget=8)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        weaver_jax.generate(weaver_jax.Bundle(rb.target), [[1]], method="ddtree", max_new_tokens=2)
+    other = random_bundle(7, hidden_size=32, num_layers=1)
+    with pytest.raises(ValueError, match=r"drafter does not match the target: target width 32 != 64"):
+        weaver_jax.generate(weaver_jax.Bundle(rb.target, drafter=other.drafter), [[1]], method="dflash",
+                            max_new_tokens=2)
+    small_vocab = random_bundle(8, vocab_size=64)
+    with pytest.raises(ValueError, match="vocabulary 64 != 128"):
+        weaver_jax.generate(weaver_jax.Bundle(rb.target, drafter=small_vocab.drafter), [[1]], method="dflash",
+                            max_new_tokens=2)
+    deep = random_bundle(9, num_layers=4, drafter_layers=3)
+    with pytest.raises(ValueError, match=r"target_layer_ids \(0, 2, 3\) outside the target's 2 layers"):
+        weaver_jax.generate(weaver_jax.Bundle(rb.target, drafter=deep.drafter), [[1]], method="dflash",
+                            max_new_tokens=2)

@@ -1,0 +1,97 @@
+"""Tree builders: shape invariants, and DDTree equals brute-force enumeration of the top prefixes."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weaver_jax._tree import Tree, chain, ddtree
+
+
+def check_valid_tree(tree: Tree, max_depth: int):
+    tokens, parent, depth, valid = (np.asarray(x) for x in tree)
+    for b in range(tokens.shape[0]):
+        assert valid[b, 0] and parent[b, 0] == -1 and depth[b, 0] == 0
+        for i in range(1, tokens.shape[1]):
+            if not valid[b, i]:
+                continue
+            p = parent[b, i]
+            assert 0 <= p < i and valid[b, p], "parents precede children and are valid"
+            assert depth[b, i] == depth[b, p] + 1 <= max_depth
+        # no two siblings carry the same token
+        pairs = [(parent[b, i], tokens[b, i]) for i in range(1, tokens.shape[1]) if valid[b, i]]
+        assert len(pairs) == len(set(pairs))
+
+
+def paths(tree: Tree, b: int) -> set[tuple[int, ...]]:
+    tokens, parent, _, valid = (np.asarray(x) for x in tree)
+    out = set()
+    for i in range(1, tokens.shape[1]):
+        if valid[b, i]:
+            path, j = [], i
+            while j > 0:
+                path.append(int(tokens[b, j]))
+                j = parent[b, j]
+            out.add(tuple(reversed(path)))
+    return out
+
+
+def brute_force_top(logits: np.ndarray, budget: int) -> set[tuple[int, ...]]:
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1), np.float64)
+    k, v = logp.shape
+    scored = []
+    for d in range(1, k + 1):
+        for prefix in itertools.product(range(v), repeat=d):
+            scored.append((sum(logp[t, x] for t, x in enumerate(prefix)), prefix))
+    scored.sort(key=lambda s: -s[0])
+    return {p for _, p in scored[:budget]}
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), vocab=st.integers(2, 5), depth=st.integers(1, 3), budget=st.integers(1, 40))
+def test_ddtree_is_the_exact_top_budget(seed, vocab, depth, budget):
+    logits = np.random.default_rng(seed).standard_normal((2, depth, vocab)) * 2
+    tree = ddtree(jnp.array([7, 9]), jnp.asarray(logits), budget)
+    check_valid_tree(tree, depth)
+    total = sum(vocab**d for d in range(1, depth + 1))
+    assert np.asarray(tree.valid).sum(1).tolist() == [1 + min(budget, total)] * 2
+    for b in range(2):
+        assert paths(tree, b) == brute_force_top(logits[b], budget)
+    assert np.asarray(tree.tokens)[:, 0].tolist() == [7, 9]
+
+
+def test_ddtree_full_budget_on_a_large_vocabulary():
+    logits = jax.random.normal(jax.random.key(0), (3, 7, 500))
+    tree = jax.jit(ddtree, static_argnums=2)(jnp.arange(3), logits, 64)
+    check_valid_tree(tree, 7)
+    assert np.asarray(tree.valid).sum(1).tolist() == [65, 65, 65]
+
+
+def test_chain_is_the_argmax_path():
+    logits = jax.random.normal(jax.random.key(1), (2, 5, 30))
+    tree = chain(jnp.array([1, 2]), logits)
+    check_valid_tree(tree, 5)
+    assert np.array_equal(np.asarray(tree.tokens)[:, 1:], np.argmax(logits, -1))
+    assert np.array_equal(np.asarray(tree.parent)[0], np.arange(-1, 5))
+
+
+def test_ancestor_matrix():
+    parent = jnp.array([[-1, 0, 0, 1, 3, 2, 0]])
+    valid = jnp.array([[True, True, True, True, True, True, False]])
+    tree = Tree(jnp.zeros_like(parent), parent, jnp.zeros_like(parent), valid)
+    anc = np.asarray(tree.ancestors())[0]
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 3, 4}, 5: {0, 2, 5}, 6: {6}}
+    for i, seen in expected.items():
+        assert set(np.flatnonzero(anc[i])) == seen
+
+
+@pytest.mark.parametrize("budget", [0, -3])
+def test_ddtree_rejects_a_budget_below_one(budget):
+    from weaver_jax._speculative import tree_options
+
+    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
+        tree_options("ddtree", {"budget": budget}, block_size=8, vocab_size=100)

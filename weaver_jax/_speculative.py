@@ -1,0 +1,218 @@
+"""Speculative generation: draft a tree, verify it in one target pass, accept, commit (DESIGN 2).
+
+The whole generation is one `lax.while_loop` under `jax.jit`. Per round:
+  1. the drafter proposes marginals for the `b - 1` positions after the root (the last bonus token);
+  2. a builder turns them into a static tree (`chain` for DFlash, `ddtree`);
+  3. the target verifies every node at position `len + depth` under the ancestor mask; the nodes'
+     K/V land in the scratch slots `[len, len + N)`;
+  4. the acceptance walk starts at the root: draw the target's token at the current node (argmax,
+     or a sample of the filtered distribution); move to the child carrying it, else it is the bonus;
+  5. commit: the K/V of the accepted path (root included) move to `[len, len + m + 1)` and `len`
+     advances; the drafter's context grows by the same tokens. Nothing else is ever undone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from weaver_jax._model import KVCache
+from weaver_jax._sampling import Sampling, select
+from weaver_jax._tree import Tree, chain, ddtree
+
+METHODS = ("dflash", "ddtree")
+_GREEDY = Sampling()
+MAX_BUDGET = 4096
+
+
+def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int) -> dict:
+    """Validate a method's options against the drafter (its block size and vocabulary); returns
+    the static options of the round."""
+    depth = block_size - 1
+    options = dict(options)
+    if "block_size" in options:
+        requested = options.pop("block_size")
+        if requested != block_size:
+            raise ValueError(f"block_size={requested} was requested but the drafter was trained with {block_size}")
+    if method == "dflash":
+        if options:
+            raise TypeError(f"method 'dflash' takes no options besides block_size, got {sorted(options)}")
+        return {}
+    budget = options.pop("budget", 64)
+    if options:
+        raise TypeError(f"method {method!r} takes budget and block_size, got {sorted(options)}")
+    if not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
+    prefixes = sum(min(vocab_size**d, MAX_BUDGET + 1) for d in range(1, depth + 1))
+    if budget > min(prefixes, MAX_BUDGET):
+        raise ValueError(f"budget={budget} is larger than the frontier allows: at most {min(prefixes, MAX_BUDGET)} "
+                         f"distinct prefixes of depth <= {depth} over {vocab_size} tokens (cap {MAX_BUDGET})")
+    return {"budget": budget}
+
+
+def build_tree(method: str, root: jax.Array, marginal_logits: jax.Array, options: dict) -> Tree:
+    if method == "dflash":
+        return chain(root, marginal_logits)
+    if method == "ddtree":
+        return ddtree(root, marginal_logits, options["budget"])
+    raise ValueError(f"unknown method {method!r}")
+
+
+class Acceptance(NamedTuple):
+    path: jax.Array  # [B, K + 1] node indices of the accepted path, root first; padded with 0
+    length: jax.Array  # [B] accepted nodes including the root (m + 1)
+    bonus: jax.Array  # [B] the target's token at the last accepted node
+
+
+def accept(tree: Tree, logits: jax.Array, keys: jax.Array, sampling: Sampling, max_depth: int) -> Acceptance:
+    """Walk from the root: draw the target's token y at the current node (keyed by node index);
+    move to the valid child carrying y, else y is the bonus. logits `[B, N, V]`, keys `[B]`,
+    max_depth: the deepest node a builder can make (paths hold at most max_depth + 1 nodes)."""
+    b = tree.tokens.shape[0]
+    n = max_depth + 1
+    rows = jnp.arange(b)
+
+    def step(i, carry):
+        cur, alive, path, length, bonus = carry
+        y = select(logits[rows, cur], keys, cur, sampling)
+        match = tree.valid & (tree.parent == cur[:, None]) & (tree.tokens == y[:, None])
+        found = jnp.any(match, axis=1) & alive
+        child = jnp.argmax(match, axis=1).astype(jnp.int32)
+        path = path.at[rows, jnp.where(found, length, n)].set(child, mode="drop")
+        bonus = jnp.where(alive & ~found, y, bonus)
+        return (jnp.where(found, child, cur), found, path, length + found, bonus)
+
+    init = (jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), jnp.zeros((b, n), jnp.int32),
+            jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
+    _, _, path, length, bonus = jax.lax.fori_loop(0, n, step, init)
+    return Acceptance(path, length, bonus)
+
+
+def commit_kv(cache: KVCache, path: jax.Array, count: jax.Array) -> KVCache:
+    """Move the K/V of the first `count [B]` path nodes (scratch slots `len + path`) to
+    `[len, len + count)` and advance `len` by `count`. Slots past the new length are free space."""
+    src = cache.lengths[:, None] + path  # [B, P]
+
+    def move(layer):
+        gathered = jnp.take_along_axis(layer, src[:, :, None, None], axis=1)
+        return jax.vmap(lambda c, g, i: jax.lax.dynamic_update_slice(c, g, (i, 0, 0)))(layer, gathered, cache.lengths)
+
+    return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v),
+                   cache.lengths + count)
+
+
+class SpecState(NamedTuple):
+    rounds: jax.Array  # scalar: loop iterations
+    root: jax.Array  # [B] last emitted token, not yet in the cache
+    cache: KVCache
+    drafter_cache: KVCache
+    tokens: jax.Array  # [B, max_new_tokens]
+    num_tokens: jax.Array  # [B]
+    done: jax.Array  # [B]
+    seq_rounds: jax.Array  # [B] verifications that emitted tokens for this sequence
+    histogram: jax.Array  # [B, K + 2]: rounds by tokens emitted (accepted + bonus)
+
+
+class SpecOutput(NamedTuple):
+    tokens: jax.Array  # [B, max_new_tokens], -1 past num_tokens
+    num_tokens: jax.Array  # [B]
+    rounds: jax.Array  # scalar: verification rounds of the longest sequence
+    seq_rounds: jax.Array  # [B]
+    histogram: jax.Array  # [B, K + 2]
+    cache: KVCache
+    drafter_cache: KVCache
+
+
+def _emit(tokens, num_tokens, new, count, max_new_tokens):
+    """Write `new [B, P]`'s first `count [B]` tokens after each sequence's `num_tokens`."""
+    b, p = new.shape
+    cols = num_tokens[:, None] + jnp.arange(p)[None, :]
+    cols = jnp.where(jnp.arange(p)[None, :] < count[:, None], cols, max_new_tokens)
+    return tokens.at[jnp.arange(b)[:, None], cols].set(new, mode="drop")
+
+
+def _truncate(new, count, eos_ids, room):
+    """Tokens emitted this round stop after the first EOS and at the room left: -> (count, hit)."""
+    p = new.shape[1]
+    if eos_ids:
+        is_eos = jnp.isin(new, jnp.asarray(eos_ids, jnp.int32)) & (jnp.arange(p)[None, :] < count[:, None])
+        first = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, p + 1)
+        count = jnp.minimum(count, first)
+        hit = first <= p
+    else:
+        hit = jnp.zeros(count.shape, bool)
+    hit = hit & (count <= room)
+    return jnp.minimum(count, room), hit
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "drafter_graphdef", "method", "options", "max_new_tokens", "sampling", "eos_ids"),
+    donate_argnames=("cache", "drafter_cache"),
+)
+def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys, *,
+                  graphdef, drafter_graphdef, method: str, options: tuple = (), max_new_tokens: int,
+                  sampling: Sampling = _GREEDY, eos_ids: tuple[int, ...] = ()) -> SpecOutput:
+    """Speculative counterpart of `ar_generate` (same prompt, cache and key conventions).
+
+    options: the static method options as a sorted tuple of (name, value). The target cache needs
+    `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens + block_size`."""
+    target = nnx.merge(graphdef, params)
+    drafter = nnx.merge(drafter_graphdef, drafter_params)
+    opts = dict(options)
+    layer_ids = tuple(drafter.config.target_layer_ids)
+    depth = drafter.config.block_size - 1
+    b, t = prompts.shape
+    rows = jnp.arange(b)
+
+    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    out = target(prompts, positions, cache, hidden_layers=layer_ids)
+    drafter_cache = drafter.commit(drafter_cache, out.hidden, positions, prompt_lengths)
+    cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
+    last = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = select(last, keys, jnp.int32(0), sampling)
+    count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), max_new_tokens))
+    state = SpecState(
+        rounds=jnp.int32(0), root=first, cache=cache, drafter_cache=drafter_cache,
+        tokens=_emit(jnp.full((b, max_new_tokens), -1, jnp.int32), jnp.zeros((b,), jnp.int32), first[:, None],
+                     count, max_new_tokens),
+        num_tokens=count, done=hit | (count >= max_new_tokens), seq_rounds=jnp.zeros((b,), jnp.int32),
+        histogram=jnp.zeros((b, depth + 2), jnp.int32))
+
+    def body(s: SpecState) -> SpecState:
+        active = ~s.done
+        marginals = drafter.propose(target, s.cache, s.root, s.drafter_cache)
+        tree = build_tree(method, s.root, marginals, opts)
+        attend = tree.ancestors()
+        verify = target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, attend, hidden_layers=layer_ids)
+        round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
+        acc = accept(tree, verify.logits, round_keys, sampling, depth)
+        path = acc.path
+
+        new = jnp.take_along_axis(tree.tokens, path, axis=1)  # root first; shift: accepted then bonus
+        new = jnp.concatenate([new[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+        new = new.at[rows, acc.length - 1].set(acc.bonus)
+        count, hit = _truncate(new, acc.length, eos_ids, max_new_tokens - s.num_tokens)
+        count = jnp.where(active, count, 0)
+        tokens = _emit(s.tokens, s.num_tokens, new, count, max_new_tokens)
+        num_tokens = s.num_tokens + count
+        done = s.done | (active & hit) | (num_tokens >= max_new_tokens)
+
+        committed_positions = s.cache.lengths[:, None] + jnp.arange(depth + 1)[None, :]
+        features = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in verify.hidden)
+        # The root and the first count - 1 accepted nodes enter the cache; the last emitted token
+        # (the bonus, unless EOS or max_new_tokens cut the round short) is the next root.
+        drafter_cache = drafter.commit(s.drafter_cache, features, committed_positions, count)
+        cache = commit_kv(verify.cache, path, count)
+        histogram = s.histogram.at[rows, acc.length].add(active.astype(jnp.int32))
+        root = jnp.where(active, new[rows, jnp.maximum(count - 1, 0)], s.root)
+        return SpecState(s.rounds + 1, root, cache, drafter_cache, tokens, num_tokens, done, s.seq_rounds + active,
+                         histogram)
+
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    return SpecOutput(state.tokens, state.num_tokens, state.rounds, state.seq_rounds, state.histogram,
+                      state.cache, state.drafter_cache)

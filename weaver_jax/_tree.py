@@ -1,0 +1,106 @@
+"""Static-shape proposal trees and the builders that share them (DESIGN 3.4).
+
+A tree is `tokens, parent, depth, valid`, each `[B, N]`: node 0 is the root (the last bonus
+token, depth 0, parent -1), parents come before children, invalid nodes are padding. Every
+builder returns this form, so verification, acceptance and commit never depend on the method.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Tree(NamedTuple):
+    tokens: jax.Array  # [B, N] int32
+    parent: jax.Array  # [B, N] int32, -1 at the root
+    depth: jax.Array  # [B, N] int32
+    valid: jax.Array  # [B, N] bool
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def ancestors(self) -> jax.Array:
+        """`[B, N, N]` bool: node i sees node j iff j is i or an ancestor of i (invalid nodes
+        see only themselves). Parents precede children, so one pass in node order suffices."""
+        b, n = self.tokens.shape
+        eye = jnp.eye(n, dtype=bool)
+
+        def row(i, anc):
+            from_parent = jnp.take_along_axis(anc, jnp.maximum(self.parent[:, i], 0)[:, None, None], axis=1)[:, 0]
+            has_parent = (self.parent[:, i] >= 0) & self.valid[:, i]
+            return anc.at[:, i].set(eye[i][None] | (from_parent & has_parent[:, None]))
+
+        return jax.lax.fori_loop(1, n, row, jnp.broadcast_to(eye, (b, n, n)))
+
+
+def chain(root: jax.Array, marginal_logits: jax.Array) -> Tree:
+    """DFlash: the argmax of each marginal in a chain. root `[B]`, marginal_logits `[B, K, V]`
+    -> a tree of K + 1 nodes."""
+    b, k, _ = marginal_logits.shape
+    tokens = jnp.concatenate([root[:, None], jnp.argmax(marginal_logits, -1)], axis=1).astype(jnp.int32)
+    parent = jnp.broadcast_to(jnp.arange(-1, k, dtype=jnp.int32), (b, k + 1))
+    depth = jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (b, k + 1))
+    return Tree(tokens, parent, depth, jnp.ones((b, k + 1), bool))
+
+
+def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
+    """DDTree: the exact top-`budget` prefixes by product of marginals, best first.
+
+    root `[B]`, marginal_logits `[B, K, V]` -> a tree of `budget + 1` nodes. A frontier entry is
+    a prefix not yet taken: (score, parent node, depth, rank of its last token at that depth).
+    Popping the best one materialises it as a node and pushes its next sibling (same parent,
+    rank + 1) and its first child (rank 0 one level deeper). Scores only fall along both moves,
+    so the popped set is exactly the top `budget`, and prefix-closed."""
+    b, k, v = marginal_logits.shape
+    ranks = min(budget, v)  # a tree of `budget` nodes never uses a deeper rank
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(marginal_logits.astype(jnp.float32), -1), ranks)  # [B, K, R]
+    slots = 2 * budget + 1
+    neg = -jnp.inf
+
+    frontier = dict(
+        score=jnp.full((b, slots), neg).at[:, 0].set(logp[:, 0, 0]),
+        parent=jnp.zeros((b, slots), jnp.int32),
+        depth=jnp.ones((b, slots), jnp.int32),
+        rank=jnp.zeros((b, slots), jnp.int32),
+        base=jnp.zeros((b, slots), jnp.float32),  # score of the parent prefix
+    )
+    tree = Tree(
+        tokens=jnp.zeros((b, budget + 1), jnp.int32).at[:, 0].set(root),
+        parent=jnp.full((b, budget + 1), -1, jnp.int32),
+        depth=jnp.zeros((b, budget + 1), jnp.int32),
+        valid=jnp.zeros((b, budget + 1), bool).at[:, 0].set(True))
+    rows = jnp.arange(b)
+
+    def pop(step, carry):
+        tree, f, used = carry
+        node = step + 1
+        best = jnp.argmax(f["score"], axis=1)
+        score = f["score"][rows, best]
+        ok = score > neg
+        par, dep = f["parent"][rows, best], f["depth"][rows, best]
+        rank, base = f["rank"][rows, best], f["base"][rows, best]
+        token = ids[rows, dep - 1, rank]
+        tree = Tree(tree.tokens.at[:, node].set(jnp.where(ok, token, 0)),
+                    tree.parent.at[:, node].set(jnp.where(ok, par, -1)),
+                    tree.depth.at[:, node].set(jnp.where(ok, dep, 0)),
+                    tree.valid.at[:, node].set(ok))
+        f = {**f, "score": f["score"].at[rows, best].set(neg)}
+        sib_ok = ok & (rank + 1 < ranks)
+        child_ok = ok & (dep < k)
+        sib_score = jnp.where(sib_ok, base + logp[rows, dep - 1, jnp.minimum(rank + 1, ranks - 1)], neg)
+        child_score = jnp.where(child_ok, score + logp[rows, jnp.minimum(dep, k - 1), 0], neg)
+        for offset, (s, p, d, r, bs) in enumerate([(sib_score, par, dep, rank + 1, base),
+                                                    (child_score, jnp.full_like(par, node), dep + 1,
+                                                     jnp.zeros_like(rank), score)]):
+            slot = used + offset
+            f = {"score": f["score"].at[rows, slot].set(s), "parent": f["parent"].at[rows, slot].set(p),
+                 "depth": f["depth"].at[rows, slot].set(d), "rank": f["rank"].at[rows, slot].set(r),
+                 "base": f["base"].at[rows, slot].set(bs)}
+        return tree, f, used + 2
+
+    tree, _, _ = jax.lax.fori_loop(0, budget, pop, (tree, frontier, jnp.int32(1)))
+    return tree
