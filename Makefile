@@ -6,7 +6,7 @@ PYTHON_CANDIDATES := python3.12 python3.13 $(wildcard $(HOME)/.pyenv/versions/3.
 	$(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
 EXTRAS ?= model,dev
 
-.PHONY: demo test lint gpu-bench clean
+.PHONY: demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@py=""; for c in $(PYTHON_CANDIDATES); do \

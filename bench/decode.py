@@ -43,8 +43,12 @@ def timed(fn, repeats: int) -> list[float]:
 
 
 def random_target(config: wj.ModelConfig) -> wj.Transformer:
-    """Random weights made on the device, layer by layer (no host copy of 16 GB)."""
-    abstract = nnx.eval_shape(lambda: wj.Transformer(config, rngs=nnx.Rngs(0)))
+    return random_module(lambda: wj.Transformer(config, rngs=nnx.Rngs(0)))
+
+
+def random_module(make):
+    """Random weights made on the device, tensor by tensor (no host copy of 16 GB)."""
+    abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     leaves, treedef = jax.tree.flatten(state)
     init = jax.jit(lambda k, shape, dtype: (jax.random.normal(k, shape, jnp.float32)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repository root (device tool): decode vs floor at the Qwen3-8B
-# shape, XLA-flag variants, and SmolLM2-135M-shaped tokens/s at batch 1/8/32. Logs go to $OUT.
+# shape, XLA-flag variants, SmolLM2-135M-shaped tokens/s at batch 1/8/32, and tree verification
+# (variant `verify`). Logs go to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
@@ -13,6 +14,8 @@ case "$variant" in
     python3 bench/decode.py --shape smollm2-135m --batch 1 8 32 --label default --json "$OUT/smollm2_default.json" ;;
   qwen)
     python3 bench/decode.py --shape qwen3-8b --batch 1 8 --label default --json "$OUT/qwen3-8b_default.json" ;;
+  verify)  # tree verification vs a decode step, and the per-round breakdown (issue 3)
+    python3 bench/verify.py --shape qwen3-8b --json "$OUT/verify_qwen3-8b.json" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

@@ -1,0 +1,133 @@
+"""Tree verification against a decode step, and the per-round breakdown of speculative decoding.
+
+    python bench/verify.py --shape qwen3-8b --nodes 16 32 64 128 256 --json out.json
+
+Every stage is timed inside a `fori_loop` with a loop-carried dependency, as (time(n + 1) -
+time(1)) / n, like bench/decode.py: verification of an N-node random tree (ancestor mask,
+positions len + depth) over a `--context`-token prefix, against N = 1 (a decode step) in the same
+run; then one round's stages for `dflash` and `ddtree` (budget 64): drafter proposal, tree build,
+verification, acceptance + commit. Random weights; a 5-layer DFlash drafter of the target's width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import decode as bench  # noqa: E402
+
+import weaver_jax as wj  # noqa: E402
+from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids  # noqa: E402
+from weaver_jax._speculative import accept, build_tree, commit_kv  # noqa: E402
+from weaver_jax._tree import Tree  # noqa: E402
+
+TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=16, qk_norm=True, family="qwen3")
+
+
+def drafter_for(config: wj.ModelConfig, layers: int, block: int) -> DrafterConfig:
+    return DrafterConfig(
+        target_hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+        target_layer_ids=default_target_layer_ids(config.num_layers, layers), hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=layers, num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, block_size=block,
+        mask_token_id=config.vocab_size - 1, rope_theta=config.rope_theta, dtype=config.dtype)
+
+
+def random_tree(batch: int, n: int, depth: int, vocab: int, seed: int = 0) -> Tree:
+    rng = np.random.default_rng(seed)
+    parent, dep = [-1], [0]
+    for i in range(1, n):
+        p = int(rng.integers(0, i))
+        while dep[p] >= depth:
+            p = int(rng.integers(0, i))
+        parent.append(p)
+        dep.append(dep[p] + 1)
+    tile = lambda a: jnp.broadcast_to(jnp.asarray(a, jnp.int32), (batch, n))  # noqa: E731
+    return Tree(tile(rng.integers(0, vocab, n)), tile(parent), tile(dep), jnp.ones((batch, n), bool))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["qwen3-8b", "tiny"], default="qwen3-8b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--cache", type=int, default=2048)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    parser.add_argument("--drafter-layers", type=int, default=5)
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    config = (wj.qwen3_8b(dtype) if args.shape == "qwen3-8b" else TINY.replace(dtype=dtype))
+    target = bench.random_target(config)
+    dconfig = drafter_for(config, args.drafter_layers, args.block)
+    drafter = bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1)))
+    graphdef, params = nnx.split(target)
+    dgraphdef, dparams = nnx.split(drafter)
+    b, depth = args.batch, args.block - 1
+    cache = wj.KVCache.init(config, b, args.cache).with_lengths(jnp.full((b,), args.context))
+    dcache = drafter.init_cache(b, args.cache).with_lengths(jnp.full((b,), args.context))
+    loop = lambda body, carry, ws: bench._looped_seconds(body, carry, ws, 16, args.repeats)  # noqa: E731
+
+    def verify_body(tree: Tree):
+        attend = tree.ancestors()
+
+        def body(carry, ws):
+            t = nnx.merge(graphdef, ws[0])
+            tokens = (tree.tokens + carry[:, None]) % config.vocab_size
+            out = t(tokens, ws[1].lengths[:, None] + tree.depth, ws[1], attend)
+            return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+
+        return body
+
+    rows = []
+    start = jnp.zeros((b,), jnp.int32)
+    step = loop(verify_body(random_tree(b, 1, 0, config.vocab_size)), start, (params, cache))
+    for n in args.nodes:
+        seconds = loop(verify_body(random_tree(b, n, depth, config.vocab_size)), start, (params, cache))
+        rows.append(dict(stage="verify", nodes=n, ms=seconds * 1e3, decode_step_ms=step * 1e3, ratio=seconds / step))
+        print(json.dumps(rows[-1]), flush=True)
+
+    def propose(carry, ws):
+        t, d = nnx.merge(graphdef, ws[0]), nnx.merge(dgraphdef, ws[1])
+        return d.propose(t, ws[2], carry, ws[3])
+
+    marginals = jax.jit(lambda ws: propose(start, ws))((params, dparams, cache, dcache))
+    drafter_s = loop(lambda c, ws: jnp.argmax(propose(c, ws)[:, 0], -1).astype(jnp.int32), start,
+                     (params, dparams, cache, dcache))
+    for method, options in (("dflash", {}), ("ddtree", {"budget": 64})):
+        build_s = loop(lambda c, ws, m=method, o=options: build_tree(m, c, ws * (1 + 1e-30 * c[:, None, None]), o)
+                       .tokens[:, -1], start, marginals)
+        tree = build_tree(method, start, marginals, options)
+        verify_s = loop(verify_body(tree), start, (params, cache))
+        logits = jax.random.normal(jax.random.key(0), (b, tree.size, config.vocab_size), jnp.float32)
+        def accept_commit(carry, ws, tree=tree):
+            acc = accept(tree, ws[0] + 1e-30 * carry[0][:, None, None], ws[1], wj.Sampling(), depth)
+            moved = commit_kv(carry[1], acc.path, acc.length)
+            return acc.bonus, moved.with_lengths(carry[1].lengths)
+
+        accept_s = loop(accept_commit, (start, cache), (logits, wj.sequence_keys(0, b)))
+        row = dict(stage="round", method=method, nodes=tree.size, drafter_ms=drafter_s * 1e3,
+                   tree_ms=build_s * 1e3, verify_ms=verify_s * 1e3, accept_commit_ms=accept_s * 1e3,
+                   decode_step_ms=step * 1e3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for r in rows:
+        r.update(shape=args.shape, batch=b, context=args.context, device=jax.devices()[0].device_kind)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
