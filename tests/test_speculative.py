@@ -3,7 +3,6 @@ autoregressive distribution, and the committed cache equals plain decoding's."""
 
 import itertools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from weaver_jax import KVCache
 from weaver_jax.testing import random_bundle
 
 from .drafters import OracleDrafter
+from .test_generate import numpy_filtered_probs
 
 METHODS = [("dflash", {}), ("ddtree", {"budget": 12})]
 
@@ -90,22 +90,27 @@ def test_committed_cache_equals_plain_decoding(method, options):
                                        atol=1e-5)
 
 
-def exact_three_token_distribution(target, prompt: list[int], temperature: float) -> np.ndarray:
-    """P(x1, x2, x3 | prompt) of autoregressive sampling, enumerated from the target."""
+def exact_three_token_distribution(target, prompt: list[int], temperature: float, top_k: int = 0,
+                                   top_p: float = 1.0) -> np.ndarray:
+    """P(x1, x2, x3 | prompt) of autoregressive sampling (temperature, top-k, top-p), enumerated
+    from the target with the independent NumPy filter of test_generate."""
     v = target.config.vocab_size
     probs = np.zeros((v, v, v))
     for seq in itertools.product(range(v), repeat=2):
         ids = np.array(prompt + list(seq))
         logits = np.asarray(target(jnp.asarray(ids[None]), jnp.arange(len(ids))[None],
                                    KVCache.init(target.config, 1, len(ids))).logits[0], np.float64)
-        p = jax.nn.softmax(jnp.asarray(logits[len(prompt) - 1 :] / temperature), -1)
-        p = np.asarray(p, np.float64)
+        p = np.stack([numpy_filtered_probs(row, temperature, top_k, top_p) for row in logits[len(prompt) - 1 :]])
         probs[seq[0], seq[1], :] = p[0, seq[0]] * p[1, seq[1]] * p[2]
     return probs
 
 
-@pytest.mark.parametrize("method,options", [("dflash", {}), ("ddtree", {"budget": 6})])
-def test_sampling_matches_the_autoregressive_distribution(method, options):
+@pytest.mark.parametrize("method,options,sampling", [
+    ("dflash", {}, dict(temperature=1.0)),
+    ("ddtree", {"budget": 6}, dict(temperature=1.0)),
+    ("ddtree", {"budget": 6}, dict(temperature=0.7, top_k=3, top_p=0.9)),
+])
+def test_sampling_matches_the_autoregressive_distribution(method, options, sampling):
     """16000 samples of the first 3 tokens: chi-square over the 64 outcomes against the exact
     probabilities, and a per-token check of the first token that a 2% bias would fail
     (sd of a frequency <= 0.4%, so 2% is > 5 sd)."""
@@ -113,16 +118,19 @@ def test_sampling_matches_the_autoregressive_distribution(method, options):
                        num_kv_heads=1, head_dim=16, block_size=4)
     prompt = [1, 3, 0]
     n = 16_000
-    exact = exact_three_token_distribution(rb.target, prompt, temperature=1.0)
+    exact = exact_three_token_distribution(rb.target, prompt, **sampling)
     for bundle in (rb, weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4))):
-        out = weaver_jax.generate(bundle, [prompt] * n, method=method, max_new_tokens=3, temperature=1.0,
-                                  eos_token_id=[], seed=list(range(n)), **options)
+        out = weaver_jax.generate(bundle, [prompt] * n, method=method, max_new_tokens=3, eos_token_id=[],
+                                  seed=list(range(n)), **sampling, **options)
         samples = np.array(out.tokens)
         counts = np.zeros((4, 4, 4))
         np.add.at(counts, (samples[:, 0], samples[:, 1], samples[:, 2]), 1)
-        expected = exact * n
-        chi2 = ((counts - expected) ** 2 / expected).sum()
-        assert chi2 < 63 + 6 * np.sqrt(2 * 63), chi2  # ~ 6 sd above the mean of chi2(63)
+        possible = exact > 0
+        assert counts[~possible].sum() == 0, "an outcome the filters exclude was sampled"
+        expected = exact[possible] * n
+        dof = int(possible.sum()) - 1
+        chi2 = ((counts[possible] - expected) ** 2 / expected).sum()
+        assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2  # ~ 6 sd above the mean of chi2(dof)
         first = counts.sum((1, 2)) / n
         assert np.all(np.abs(first - exact.sum((1, 2))) < 0.02 * 0.5), first
         if isinstance(bundle.drafter, OracleDrafter):
