@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from weaver_jax._model import KVCache
+from weaver_jax._model import KVCache, _write
 from weaver_jax._sampling import Sampling, select
 from weaver_jax._tree import Tree, chain, ddtree
 
@@ -98,8 +98,7 @@ def commit_kv(cache: KVCache, path: jax.Array, count: jax.Array) -> KVCache:
     src = cache.lengths[:, None] + path  # [B, P]
 
     def move(layer):
-        gathered = jnp.take_along_axis(layer, src[:, :, None, None], axis=1)
-        return jax.vmap(lambda c, g, i: jax.lax.dynamic_update_slice(c, g, (i, 0, 0)))(layer, gathered, cache.lengths)
+        return _write(layer, jnp.take_along_axis(layer, src[:, :, None, None], axis=1), cache.lengths)
 
     return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v),
                    cache.lengths + count)
