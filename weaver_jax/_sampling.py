@@ -59,18 +59,6 @@ def filtered_logits(logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, j
     return logits, None
 
 
-def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
-    """The full `[..., V]` distribution that `select` samples from (a reference for tests)."""
-    if sampling.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
-    values, ids = filtered_logits(logits, sampling)
-    probs = jax.nn.softmax(values, axis=-1)
-    if ids is None:
-        return probs
-    return jnp.zeros(logits.shape, probs.dtype).at[
-        tuple(jnp.indices(ids.shape)[:-1]) + (ids,)].add(probs)
-
-
 def select(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
     """logits `[B, V]`, keys `[B]` (one per sequence), step scalar or `[B]` -> tokens `[B]` int32.
     The draw of sequence i uses `fold_in(keys[i], step[i])`."""
