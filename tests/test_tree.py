@@ -95,3 +95,45 @@ def test_ddtree_rejects_a_budget_below_one(budget):
 
     with pytest.raises(ValueError, match="budget must be an integer >= 1"):
         tree_options("ddtree", {"budget": budget}, block_size=8, vocab_size=100)
+
+
+def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
+    """w = 1 and enough children per node is strict best-first: DDTree's exact top-budget set."""
+    from weaver_jax._tree import batched_best_first, marginal_children
+
+    rng = np.random.default_rng(3)
+    for vocab, depth, budget in [(4, 3, 20), (6, 4, 33), (50, 6, 64)]:
+        logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
+        c = min(budget, vocab)
+        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, c), None, budget=budget,
+                                     children=c, expansions=1, max_depth=depth)
+        check_valid_tree(tree, depth)
+        ref = ddtree(jnp.array([1, 2]), logits, budget)
+        for b in range(2):
+            assert paths(tree, b) == paths(ref, b)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(1, 300), children=st.integers(1, 8),
+       depth=st.integers(1, 7))
+def test_batched_best_first_makes_valid_full_trees(seed, budget, children, depth):
+    """Any budget, children per node and default expansions: a valid tree with exactly `budget`
+    nodes past the root whenever that many prefixes exist, in about budget / w scorer calls."""
+    from weaver_jax._tree import batched_best_first, marginal_children
+
+    vocab = 40
+    logits = jnp.asarray(np.random.default_rng(seed).standard_normal((3, depth, vocab)))
+    w = -(-budget // 16)
+    inner = marginal_children(logits, children)
+
+    def counting(calls, tree, nodes):  # the state counts scorer calls
+        tokens, logp, _ = inner(None, tree, nodes)
+        return tokens, logp, calls + 1
+
+    tree, calls = batched_best_first(jnp.arange(3), counting, jnp.int32(0), budget=budget, children=children,
+                                     expansions=w, max_depth=depth)
+    check_valid_tree(tree, depth)
+    possible = sum(children**d for d in range(1, depth + 1))
+    assert np.asarray(tree.valid).sum(1).tolist() == [1 + min(budget, possible)] * 3
+    if children >= w:  # the frontier never holds fewer than w entries: one call per w nodes
+        assert int(calls) <= 1 + -(-min(budget, possible) // w)

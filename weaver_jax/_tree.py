@@ -104,3 +104,74 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
 
     tree, _, _ = jax.lax.fori_loop(0, budget, pop, (tree, frontier, jnp.int32(1)))
     return tree
+
+
+def marginal_children(marginal_logits: jax.Array, children: int):
+    """A child scorer that ignores the path: a node at depth t offers the top-`children` tokens of
+    marginal t + 1 (DDTree's scores). marginal_logits `[B, K, V]`. The Weaver adapter is the
+    path-dependent scorer with the same signature."""
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(marginal_logits.astype(jnp.float32), -1), children)  # [B, K, c]
+    k = marginal_logits.shape[1]
+
+    def score(state, tree: Tree, nodes: jax.Array):
+        d = jnp.clip(jnp.take_along_axis(tree.depth, nodes, axis=1), 0, k - 1)  # [B, w]: next depth - 1
+        return (jnp.take_along_axis(ids, d[:, :, None], axis=1), jnp.take_along_axis(logp, d[:, :, None], axis=1),
+                state)
+
+    return score
+
+
+def batched_best_first(root: jax.Array, score_children, state, *, budget: int, children: int, expansions: int,
+                       max_depth: int) -> tuple[Tree, object]:
+    """Weaver's tree search (DESIGN 3.4): every expanded node publishes its top-`children` children
+    with cumulative log-probabilities into a frontier of `(budget + 1) * children` slots (node i
+    owns slots `[i * c, (i + 1) * c)`); each call takes the best `expansions` entries, materialises
+    them as the next nodes and expands them together, so a tree costs about `budget / expansions`
+    scorer calls (more only while the frontier holds fewer than `expansions` entries).
+
+    score_children(state, tree, nodes [B, w]) -> (tokens [B, w, c], logp [B, w, c], state): the
+    children of each node in `nodes` and their log-probabilities given the node's path.
+    root `[B]` -> (a tree of `budget + 1` nodes, exactly `budget` of them valid past the root
+    unless the frontier runs dry; the scorer's final state)."""
+    b, c, w = root.shape[0], children, expansions
+    n = budget + 1
+    rows = jnp.arange(b)[:, None]
+    tree = Tree(tokens=jnp.zeros((b, n), jnp.int32).at[:, 0].set(root), parent=jnp.full((b, n), -1, jnp.int32),
+                depth=jnp.zeros((b, n), jnp.int32), valid=jnp.zeros((b, n), bool).at[:, 0].set(True))
+
+    def publish(tree, node_score, frontier, front_tokens, state, nodes, ok):
+        tokens, logp, state = score_children(state, tree, nodes)
+        node_depth = jnp.take_along_axis(tree.depth, nodes, axis=1)
+        cum = jnp.take_along_axis(node_score, nodes, axis=1)[:, :, None] + logp
+        cum = jnp.where((ok & (node_depth < max_depth))[:, :, None], cum, -jnp.inf)
+        slots = jnp.where(ok[:, :, None], nodes[:, :, None] * c + jnp.arange(c), n * c).reshape(b, -1)
+        return (frontier.at[rows, slots].set(cum.reshape(b, -1), mode="drop"),
+                front_tokens.at[rows, slots].set(tokens.reshape(b, -1), mode="drop"), state)
+
+    node_score = jnp.zeros((b, n), jnp.float32)
+    frontier, front_tokens, state = publish(
+        tree, node_score, jnp.full((b, n * c), -jnp.inf), jnp.zeros((b, n * c), jnp.int32), state,
+        jnp.zeros((b, 1), jnp.int32), jnp.ones((b, 1), bool))
+
+    def more(carry):
+        _, _, frontier, _, _, count = carry
+        return jnp.any((count < n) & jnp.any(jnp.isfinite(frontier), axis=1))
+
+    def call(carry):
+        tree, node_score, frontier, front_tokens, state, count = carry
+        best, slots = jax.lax.top_k(frontier, w)  # [B, w], best first: the finite ones are a prefix
+        nodes = count[:, None] + jnp.arange(w)[None, :]
+        ok = jnp.isfinite(best) & (nodes < n)
+        nodes = jnp.minimum(nodes, n - 1)
+        parent = slots // c
+        put = lambda a, v: a.at[rows, jnp.where(ok, nodes, n)].set(v, mode="drop")  # noqa: E731
+        tree = Tree(put(tree.tokens, jnp.take_along_axis(front_tokens, slots, axis=1)), put(tree.parent, parent),
+                    put(tree.depth, jnp.take_along_axis(tree.depth, parent, axis=1) + 1), put(tree.valid, ok))
+        node_score = put(node_score, best)
+        frontier = frontier.at[rows, jnp.where(ok, slots, n * c)].set(-jnp.inf, mode="drop")
+        frontier, front_tokens, state = publish(tree, node_score, frontier, front_tokens, state, nodes, ok)
+        return tree, node_score, frontier, front_tokens, state, count + ok.sum(1)
+
+    carry = (tree, node_score, frontier, front_tokens, state, jnp.ones((b,), jnp.int32))
+    out = jax.lax.while_loop(more, call, carry)
+    return out[0], out[4]
