@@ -101,7 +101,7 @@ def main():
 
     def propose(carry, ws):
         t, d = nnx.merge(graphdef, ws[0]), nnx.merge(dgraphdef, ws[1])
-        return d.propose(t, ws[2], carry, ws[3])
+        return d.propose(t, ws[2], carry, ws[3])[0]
 
     marginals = jax.jit(lambda ws: propose(start, ws))((params, dparams, cache, dcache))
     drafter_s = loop(lambda c, ws: jnp.argmax(propose(c, ws)[:, 0], -1).astype(jnp.int32), start,

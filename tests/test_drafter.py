@@ -99,7 +99,8 @@ def test_drafter_of_another_width_uses_projections():
     drafter = Drafter(random_drafter_config(cfg, hidden_size=32, block_size=4), rngs=nnx.Rngs(0))
     assert drafter.in_proj is not None and drafter.out_proj is not None
     cache = drafter.init_cache(2, 16)
-    logits = drafter.propose(target, None, jnp.array([3, 4]), cache)
+    logits, states = drafter.propose(target, None, jnp.array([3, 4]), cache)
+    assert states.shape == (2, 3, cfg.hidden_size)
     assert logits.shape == (2, 3, cfg.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
 
 

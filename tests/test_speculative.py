@@ -14,7 +14,7 @@ from weaver_jax.testing import random_bundle
 from .drafters import OracleDrafter
 from .test_generate import numpy_filtered_probs
 
-METHODS = [("dflash", {}), ("ddtree", {"budget": 12})]
+METHODS = [("dflash", {}), ("ddtree", {"budget": 12}), ("weaver", {"budget": 12})]
 
 
 def bundles(seed: int, tie: bool):
@@ -23,7 +23,7 @@ def bundles(seed: int, tie: bool):
     yield "random", rb
     for corrupt in (False, True):
         yield f"oracle{'-corrupt' if corrupt else ''}", weaver_jax.Bundle(
-            rb.target, drafter=OracleDrafter(rb.config, block_size=6, corrupt=corrupt))
+            rb.target, drafter=OracleDrafter(rb.config, block_size=6, corrupt=corrupt), adapter=rb.adapter)
 
 
 @pytest.mark.parametrize("seed,tie", [(0, False), (1, True), (2, True)])
@@ -45,7 +45,8 @@ def test_greedy_equals_autoregressive(seed, tie, method, options):
 @pytest.mark.parametrize("method,options", METHODS)
 def test_eos_and_max_new_tokens_are_exact(method, options):
     rb = random_bundle(3, block_size=6)
-    bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=6, corrupt=True))
+    oracle = OracleDrafter(rb.config, block_size=6, corrupt=True)
+    bundle = weaver_jax.Bundle(rb.target, drafter=oracle, adapter=rb.adapter)
     prompts = [[5, 6, 7], [9, 1, 2, 3, 4], [17]]
     free = weaver_jax.generate(bundle, prompts, max_new_tokens=15, eos_token_id=[]).tokens
     for max_new in (1, 4, 15):
@@ -64,18 +65,21 @@ def test_committed_cache_equals_plain_decoding(method, options):
     tokens (prompt + every emitted token but the last) computes, and len counts them."""
     from flax import nnx
 
-    from weaver_jax._speculative import spec_generate
+    from weaver_jax._speculative import spec_generate, tree_options
 
     rb = random_bundle(4, block_size=6)
-    bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=6, corrupt=True))
+    oracle = OracleDrafter(rb.config, block_size=6, corrupt=True)
+    bundle = weaver_jax.Bundle(rb.target, drafter=oracle, adapter=rb.adapter)
     prompts = np.array([[3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 11, 12]], np.int32)
     lengths = np.array([4, 6], np.int32)
     graphdef, params = nnx.split(bundle.target)
     dgraphdef, dparams = nnx.split(bundle.drafter)
+    agraphdef, aparams = nnx.split(bundle.adapter)
+    options = tree_options(method, options, block_size=6, vocab_size=bundle.config.vocab_size, pool_size=64)
     out = spec_generate(params, dparams, KVCache.init(bundle.config, 2, 64), bundle.drafter.init_cache(2, 64),
-                        prompts, lengths, weaver_jax.sequence_keys(0, 2), graphdef=graphdef,
-                        drafter_graphdef=dgraphdef, method=method, options=tuple(options.items()),
-                        max_new_tokens=17)
+                        prompts, lengths, weaver_jax.sequence_keys(0, 2), aparams, graphdef=graphdef,
+                        drafter_graphdef=dgraphdef, adapter_graphdef=agraphdef, method=method,
+                        options=tuple(sorted(options.items())), max_new_tokens=17)
     assert int(out.rounds) < 17  # several tokens per round were committed
     for b in range(2):
         emitted = np.asarray(out.tokens[b, : int(out.num_tokens[b])])
@@ -108,6 +112,7 @@ def exact_three_token_distribution(target, prompt: list[int], temperature: float
 @pytest.mark.parametrize("method,options,sampling", [
     ("dflash", {}, dict(temperature=1.0)),
     ("ddtree", {"budget": 6}, dict(temperature=1.0)),
+    ("weaver", {"budget": 6}, dict(temperature=1.0)),
     ("ddtree", {"budget": 6}, dict(temperature=0.7, top_k=3, top_p=0.9)),
 ])
 def test_sampling_matches_the_autoregressive_distribution(method, options, sampling):
@@ -119,7 +124,8 @@ def test_sampling_matches_the_autoregressive_distribution(method, options, sampl
     prompt = [1, 3, 0]
     n = 16_000
     exact = exact_three_token_distribution(rb.target, prompt, **sampling)
-    for bundle in (rb, weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4))):
+    oracle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4), adapter=rb.adapter)
+    for bundle in (rb, oracle):
         out = weaver_jax.generate(bundle, [prompt] * n, method=method, max_new_tokens=3, eos_token_id=[],
                                   seed=list(range(n)), **sampling, **options)
         samples = np.array(out.tokens)

@@ -175,7 +175,16 @@ def _speculative_setup(bundle, method: str, method_options: dict):
                          "(load a bundle with a drafter, or use method='ar')")
     dconfig = bundle.drafter.config
     dconfig.check_target(bundle.target.config)
-    options = tree_options(method, method_options, block_size=dconfig.block_size, vocab_size=dconfig.vocab_size)
+    adapter_limits = {}
+    if method == "weaver":
+        if bundle.adapter is None:
+            raise ValueError("method 'weaver' needs an adapter, but bundle.adapter is None "
+                             "(load a bundle with an adapter, or use method='ddtree')")
+        bundle.adapter.config.check_target(bundle.target.config)
+        adapter_limits = dict(pool_size=min(bundle.adapter.config.candidate_pool_size, dconfig.vocab_size),
+                              max_depth=bundle.adapter.config.K)
+    options = tree_options(method, method_options, block_size=dconfig.block_size, vocab_size=dconfig.vocab_size,
+                           **adapter_limits)
     nodes = options["budget"] + 1 if "budget" in options else dconfig.block_size
     return options, nodes
 
@@ -185,12 +194,14 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
              eos_token_id: int | Sequence[int] | None = None, **method_options) -> GenerateResult:
     """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
 
-    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain) or "ddtree" (option
-    `budget`, default 64): the speculative methods emit exactly what "ar" would (greedy) or the
-    same distribution (sampling). eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS.
-    seed: an int (sequence i uses `fold_in(key(seed), i)`) or one seed per prompt. Returns
-    `.tokens` and `.stats` (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`,
-    `new_tokens`; speculative methods add `mean_accepted_length` and `accepted_length_histogram`).
+    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
+    `budget`, default 64) or "weaver" (options `budget`, `children_per_node` (8),
+    `expansions_per_call` (ceil(budget / 16)), `pool_size` (the adapter's)): the speculative
+    methods emit exactly what "ar" would (greedy) or the same distribution (sampling).
+    eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
+    uses `fold_in(key(seed), i)`) or one seed per prompt. Returns `.tokens` and `.stats`
+    (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`; speculative
+    methods add `mean_accepted_length` and `accepted_length_histogram`).
     """
     from weaver_jax._speculative import METHODS, spec_generate
 
@@ -231,6 +242,10 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
         fn, args = spec_generate, [params, drafter_params, KVCache.init(config, len(prompts), size),
                                    bundle.drafter.init_cache(len(prompts), dsize)]
     args += [batch, lengths, keys]
+    if method == "weaver":
+        adapter_graphdef, adapter_params = nnx.split(bundle.adapter)
+        static.update(adapter_graphdef=adapter_graphdef)
+        args.append(adapter_params)
 
     t0 = time.perf_counter()
     compiled = _compiled(fn, static, *args)

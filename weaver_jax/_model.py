@@ -238,10 +238,12 @@ class Transformer(nnx.Module):
         return ForwardOutput(self.logits(x), hidden, new_cache)
 
 
-def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_layers=()):
-    """The layer stack shared by target and drafter: returns the last output, the outputs of
-    `hidden_layers`, and the cache with the new K/V written (lengths unchanged)."""
-    mask = visibility_mask(cache.lengths, attend, cache.size)
+def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_layers=(), mask=None):
+    """The layer stack shared by target, drafter and adapter: returns the last output, the outputs
+    of `hidden_layers`, and the cache with the new K/V written at `[lengths, lengths + T)` (lengths
+    unchanged). `mask [B, T, S]` overrides the committed-prefix + `attend` visibility."""
+    if mask is None:
+        mask = visibility_mask(cache.lengths, attend, cache.size)
     hidden, ks, vs = {}, [], []
     for i, layer in enumerate(layers):
         x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, mask)

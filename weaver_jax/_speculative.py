@@ -20,19 +20,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from weaver_jax._model import KVCache, _write
+from weaver_jax._adapter import weaver_tree
+from weaver_jax._model import KVCache, _write, rms_norm
 from weaver_jax._sampling import Sampling, select
 from weaver_jax._tree import Tree, chain, ddtree
 
-METHODS = ("dflash", "ddtree")
+METHODS = ("dflash", "ddtree", "weaver")
 _GREEDY = Sampling()
 MAX_BUDGET = 4096
 
 
-def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int) -> dict:
-    """Validate a method's options against the drafter (its block size and vocabulary); returns
-    the static options of the round."""
-    depth = block_size - 1
+def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int, pool_size: int = 0,
+                 max_depth: int | None = None) -> dict:
+    """Validate a method's options against the drafter (its block size and vocabulary) and, for
+    "weaver", the adapter (its pool size and max depth); returns the static options of the round."""
+    depth = block_size - 1 if max_depth is None else min(block_size - 1, max_depth)
     options = dict(options)
     if "block_size" in options:
         requested = options.pop("block_size")
@@ -43,15 +45,29 @@ def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int
             raise TypeError(f"method 'dflash' takes no options besides block_size, got {sorted(options)}")
         return {}
     budget = options.pop("budget", 64)
-    if options:
-        raise TypeError(f"method {method!r} takes budget and block_size, got {sorted(options)}")
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
-    prefixes = sum(min(vocab_size**d, MAX_BUDGET + 1) for d in range(1, depth + 1))
+    branching = vocab_size
+    extra = {}
+    if method == "weaver":
+        pool = options.pop("pool_size", pool_size)
+        if not isinstance(pool, int) or not 1 <= pool <= vocab_size:
+            raise ValueError(f"pool_size must be an integer in [1, {vocab_size}], got {pool!r}")
+        children = options.pop("children_per_node", min(8, pool))
+        if not isinstance(children, int) or not 1 <= children <= pool:
+            raise ValueError(f"children_per_node must be an integer in [1, pool_size={pool}], got {children!r}")
+        expansions = options.pop("expansions_per_call", -(-budget // 16))
+        if not isinstance(expansions, int) or not 1 <= expansions <= budget:
+            raise ValueError(f"expansions_per_call must be an integer in [1, budget={budget}], got {expansions!r}")
+        branching = children
+        extra = dict(pool_size=pool, children=children, expansions=expansions, depth=depth)
+    if options:
+        raise TypeError(f"method {method!r} got unknown options {sorted(options)}")
+    prefixes = sum(min(branching**d, MAX_BUDGET + 1) for d in range(1, depth + 1))
     if budget > min(prefixes, MAX_BUDGET):
         raise ValueError(f"budget={budget} is larger than the frontier allows: at most {min(prefixes, MAX_BUDGET)} "
-                         f"distinct prefixes of depth <= {depth} over {vocab_size} tokens (cap {MAX_BUDGET})")
-    return {"budget": budget}
+                         f"distinct prefixes of depth <= {depth} with {branching} children per node (cap {MAX_BUDGET})")
+    return {"budget": budget, **extra}
 
 
 def build_tree(method: str, root: jax.Array, marginal_logits: jax.Array, options: dict) -> Tree:
@@ -107,6 +123,7 @@ def commit_kv(cache: KVCache, path: jax.Array, count: jax.Array) -> KVCache:
 class SpecState(NamedTuple):
     rounds: jax.Array  # scalar: loop iterations
     root: jax.Array  # [B] last emitted token, not yet in the cache
+    root_state: jax.Array  # [B, D] ("weaver") the target's final normed state that produced root
     cache: KVCache
     drafter_cache: KVCache
     tokens: jax.Array  # [B, max_new_tokens]
@@ -150,33 +167,48 @@ def _truncate(new, count, eos_ids, room):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "drafter_graphdef", "method", "options", "max_new_tokens", "sampling", "eos_ids"),
+    static_argnames=("graphdef", "drafter_graphdef", "adapter_graphdef", "method", "options", "max_new_tokens",
+                     "sampling", "eos_ids"),
     donate_argnames=("cache", "drafter_cache"),
 )
-def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys, *,
-                  graphdef, drafter_graphdef, method: str, options: tuple = (), max_new_tokens: int,
-                  sampling: Sampling = _GREEDY, eos_ids: tuple[int, ...] = ()) -> SpecOutput:
+def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
+                  adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
+                  options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
+                  eos_ids: tuple[int, ...] = ()) -> SpecOutput:
     """Speculative counterpart of `ar_generate` (same prompt, cache and key conventions).
 
-    options: the static method options as a sorted tuple of (name, value). The target cache needs
-    `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens + block_size`."""
+    options: the static method options as a sorted tuple of (name, value) (`tree_options`). The
+    target cache needs `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens +
+    block_size`. "weaver" also takes the adapter's params and graphdef."""
     target = nnx.merge(graphdef, params)
     drafter = nnx.merge(drafter_graphdef, drafter_params)
     opts = dict(options)
+    weaver = method == "weaver"
     layer_ids = tuple(drafter.config.target_layer_ids)
+    # "weaver" also needs the target's final normed state at the node that produced the root
+    hidden_ids = layer_ids + ((target.config.num_layers - 1,) if weaver else ())
     depth = drafter.config.block_size - 1
     b, t = prompts.shape
     rows = jnp.arange(b)
+    if weaver:
+        adapter = nnx.merge(adapter_graphdef, adapter_params)
+        tables = adapter.tables(target)  # once per call, not per round
+
+    def final_state(hidden, index):  # [B, T, D] last-layer outputs, index [B] -> [B, D] normed
+        h = jnp.take_along_axis(hidden[-1], index[:, None, None], axis=1)[:, 0]
+        return rms_norm(h, target.final_norm[...], target.config.rms_norm_eps)
 
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    out = target(prompts, positions, cache, hidden_layers=layer_ids)
-    drafter_cache = drafter.commit(drafter_cache, out.hidden, positions, prompt_lengths)
+    out = target(prompts, positions, cache, hidden_layers=hidden_ids)
+    drafter_cache = drafter.commit(drafter_cache, out.hidden[: len(layer_ids)], positions, prompt_lengths)
     cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
     last = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     first = select(last, keys, jnp.int32(0), sampling)
     count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), max_new_tokens))
     state = SpecState(
-        rounds=jnp.int32(0), root=first, cache=cache, drafter_cache=drafter_cache,
+        rounds=jnp.int32(0), root=first,
+        root_state=final_state(out.hidden, prompt_lengths - 1) if weaver else jnp.zeros((b, 0)),
+        cache=cache, drafter_cache=drafter_cache,
         tokens=_emit(jnp.full((b, max_new_tokens), -1, jnp.int32), jnp.zeros((b,), jnp.int32), first[:, None],
                      count, max_new_tokens),
         num_tokens=count, done=hit | (count >= max_new_tokens), seq_rounds=jnp.zeros((b,), jnp.int32),
@@ -184,10 +216,16 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
 
     def body(s: SpecState) -> SpecState:
         active = ~s.done
-        marginals = drafter.propose(target, s.cache, s.root, s.drafter_cache)
-        tree = build_tree(method, s.root, marginals, opts)
+        marginals, states = drafter.propose(target, s.cache, s.root, s.drafter_cache)
+        if weaver:
+            k = opts["depth"]
+            tree = weaver_tree(adapter, tables, s.root, s.root_state, states[:, :k], marginals[:, :k],
+                               budget=opts["budget"], children=opts["children"], expansions=opts["expansions"],
+                               pool_size=opts["pool_size"])
+        else:
+            tree = build_tree(method, s.root, marginals, opts)
         attend = tree.ancestors()
-        verify = target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, attend, hidden_layers=layer_ids)
+        verify = target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, attend, hidden_layers=hidden_ids)
         round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
         acc = accept(tree, verify.logits, round_keys, sampling, depth)
         path = acc.path
@@ -202,15 +240,19 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
         done = s.done | (active & hit) | (num_tokens >= max_new_tokens)
 
         committed_positions = s.cache.lengths[:, None] + jnp.arange(depth + 1)[None, :]
-        features = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in verify.hidden)
+        features = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in verify.hidden[: len(layer_ids)])
         # The root and the first count - 1 accepted nodes enter the cache; the last emitted token
         # (the bonus, unless EOS or max_new_tokens cut the round short) is the next root.
         drafter_cache = drafter.commit(s.drafter_cache, features, committed_positions, count)
         cache = commit_kv(verify.cache, path, count)
         histogram = s.histogram.at[rows, acc.length].add(active.astype(jnp.int32))
         root = jnp.where(active, new[rows, jnp.maximum(count - 1, 0)], s.root)
-        return SpecState(s.rounds + 1, root, cache, drafter_cache, tokens, num_tokens, done, s.seq_rounds + active,
-                         histogram)
+        root_state = s.root_state
+        if weaver:  # the state of the last accepted node produced the bonus, the next root
+            last = jnp.take_along_axis(path, (acc.length - 1)[:, None], axis=1)[:, 0]
+            root_state = jnp.where(active[:, None], final_state(verify.hidden, last), s.root_state)
+        return SpecState(s.rounds + 1, root, root_state, cache, drafter_cache, tokens, num_tokens, done,
+                         s.seq_rounds + active, histogram)
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return SpecOutput(state.tokens, state.num_tokens, state.rounds, state.seq_rounds, state.histogram,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from weaver_jax._adapter import Adapter, random_adapter_config
 from weaver_jax._config import ModelConfig, RopeScaling
 from weaver_jax._drafter import Drafter, random_drafter_config
 from weaver_jax._load import Bundle
@@ -41,10 +42,11 @@ def random_target(config: ModelConfig, seed: int = 0) -> Transformer:
 def random_bundle(seed: int = 0, *, eos_token_ids: tuple[int, ...] = (), drafter: bool = True,
                   block_size: int = 8, drafter_layers: int = 2, **config_options) -> Bundle:
     """A bundle with a small random target (`random_config` options) and, unless `drafter=False`,
-    a random drafter for it; the adapter comes later."""
+    a random drafter and a random Weaver adapter for it."""
     target = random_target(random_config(**config_options), seed)
-    draft = None
+    draft = adapt = None
     if drafter:
         dconfig = random_drafter_config(target.config, num_layers=drafter_layers, block_size=block_size)
         draft = Drafter(dconfig, rngs=nnx.Rngs(seed + 7))
-    return Bundle(target, drafter=draft, eos_token_ids=tuple(eos_token_ids), name=f"random-{seed}")
+        adapt = Adapter(random_adapter_config(target.config, depth=block_size - 1), rngs=nnx.Rngs(seed + 11))
+    return Bundle(target, drafter=draft, adapter=adapt, eos_token_ids=tuple(eos_token_ids), name=f"random-{seed}")

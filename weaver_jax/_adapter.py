@@ -1,0 +1,167 @@
+"""The Weaver adapter (DESIGN 3.3): re-scores the drafter's top-P candidates along each tree path.
+
+Per round it reads a prefix `[target state that produced the root, drafter states h_1..h_K]`
+(`1 + K` tokens, causal, positions 0..K) and keeps its K/V. A node step for a node at depth t
+with token x feeds `token_table[x]` at position t + 1 through the same blocks, attending to the
+prefix, the node's ancestors and itself; its normed state u scores the children over the pool of
+depth t + 1: `drafter_logits[pool] + candidate_table[pool] . u`, normalised over the pool only.
+The adapter never projects to the vocabulary: both tables are `[V, d]` lookups computed once per
+generation call, and a node step touches P rows of them.
+
+Blocks reuse the target's pre-norm block (causal self-attention with RoPE, SwiGLU). Input and
+output maps follow the published checkpoint layout: `embed_norm` + `token_in` (with bias) for
+tokens, `output_norm` + `proposal_in` (with bias) for target/drafter states, `out_norm` +
+`query` (W_q: d -> D, no bias) for the residual. The root is expanded by an explicit node step, as
+in Mirai's JAX port of the published implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from weaver_jax._config import ModelConfig
+from weaver_jax._model import Block, KVCache, _param, rms_norm, rope_frequencies, run_blocks
+from weaver_jax._tree import Tree, batched_best_first
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterConfig:
+    """Names as in the published checkpoints: d_model (target width), d_embed (target embedding
+    width), d_rank (adapter width), K (max depth), candidate_pool_size (P)."""
+
+    d_model: int
+    d_embed: int
+    d_rank: int
+    num_layers: int
+    num_heads: int
+    mlp_dim: int
+    K: int  # noqa: N815  (the published field name)
+    candidate_pool_size: int = 512
+    rope_base: float = 10_000.0
+    rms_norm_eps: float = 1e-6
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.d_rank % self.num_heads or (self.d_rank // self.num_heads) % 2:
+            raise ValueError(f"d_rank={self.d_rank} must split into {self.num_heads} heads of even width")
+
+    @property
+    def block_config(self) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=1, hidden_size=self.d_rank, intermediate_size=self.mlp_dim, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.num_heads, head_dim=self.d_rank // self.num_heads,
+            rope_theta=self.rope_base, rms_norm_eps=self.rms_norm_eps, dtype=self.dtype)
+
+    def check_target(self, target: ModelConfig) -> None:
+        if self.d_model != target.hidden_size or self.d_embed != target.hidden_size:
+            raise ValueError(f"adapter does not match the target: d_model={self.d_model}, d_embed={self.d_embed}, "
+                             f"target width {target.hidden_size}")
+
+
+class Tables(NamedTuple):
+    token: jax.Array  # [V, d]: token_in(embed_norm(E))
+    candidate: jax.Array  # [V, d]: W @ W_q^T, so candidate[pool] . u = W[pool] . W_q(u)
+
+
+class Adapter(nnx.Module):
+    def __init__(self, config: AdapterConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        c, dt = config, jnp.dtype(config.dtype)
+        self.embed_norm = nnx.Param(jnp.ones((c.d_embed,), dt))
+        self.token_in = _param(rngs, (c.d_embed, c.d_rank), dt, c.d_embed)
+        self.token_in_bias = nnx.Param(jnp.zeros((c.d_rank,), dt))
+        self.output_norm = nnx.Param(jnp.ones((c.d_model,), dt))
+        self.proposal_in = _param(rngs, (c.d_model, c.d_rank), dt, c.d_model)
+        self.proposal_in_bias = nnx.Param(jnp.zeros((c.d_rank,), dt))
+        self.layers = nnx.List([Block(c.block_config, rngs=rngs) for _ in range(c.num_layers)])
+        self.out_norm = nnx.Param(jnp.ones((c.d_rank,), dt))
+        self.query = _param(rngs, (c.d_rank, c.d_model), dt, c.d_rank)
+
+    def tables(self, target) -> Tables:
+        """The two `[V, d]` tables, from the target's frozen embedding and LM head (once per call)."""
+        eps = self.config.rms_norm_eps
+        token = rms_norm(target.embed[...], self.embed_norm[...], eps) @ self.token_in[...] + self.token_in_bias[...]
+        head = target.embed[...] if target.lm_head is None else target.lm_head[...].T  # [V, D]
+        return Tables(token, head @ self.query[...].T)
+
+    def prefix(self, root_state: jax.Array, drafter_states: jax.Array, cache: KVCache) -> KVCache:
+        """root_state `[B, D]` (the target's final normed state that produced the root),
+        drafter_states `[B, K, D]` -> cache with the prefix K/V in slots `[0, K + 1)`, lengths K + 1."""
+        x = jnp.concatenate([root_state[:, None], drafter_states], axis=1)
+        x = rms_norm(x, self.output_norm[...], self.config.rms_norm_eps) @ self.proposal_in[...]
+        x = x + self.proposal_in_bias[...]
+        b, t = x.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        cache = cache.with_lengths(jnp.zeros((b,), jnp.int32))
+        _, _, cache = run_blocks(self.layers, x, positions, rope_frequencies(self.config.block_config), cache,
+                                 jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)))
+        return cache.with_lengths(jnp.full((b,), t, jnp.int32))
+
+    def node_states(self, tables: Tables, cache: KVCache, tokens, depth, slot0, visible) -> tuple[jax.Array, KVCache]:
+        """Node steps for w nodes per sequence: tokens, depth `[B, w]`; their K/V go to slots
+        `slot0 [B] + [0, w)`; visible `[B, w, S]` (prefix, ancestors, self). -> u `[B, w, d]`, cache."""
+        x = jnp.take(tables.token, tokens, axis=0)
+        h, _, cache = run_blocks(self.layers, x, depth + 1, rope_frequencies(self.config.block_config),
+                                 cache.with_lengths(slot0), None, mask=visible)
+        return rms_norm(h, self.out_norm[...], self.config.rms_norm_eps), cache
+
+
+class WeaverState(NamedTuple):
+    cache: KVCache  # prefix in [0, K + 1), node i's K/V in slot K + 1 + i
+    ancestors: jax.Array  # [B, N, N] bool, rows filled as nodes are expanded
+
+
+def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool_logits: jax.Array,
+                     children: int, prefix_len: int):
+    """The path-dependent child scorer for `batched_best_first`. pool_ids, pool_logits `[B, K, P]`:
+    the drafter's top-P candidates per depth and their logits."""
+    k = pool_ids.shape[1]
+
+    def score(state: WeaverState, tree: Tree, nodes: jax.Array):
+        b, w = nodes.shape
+        n = tree.size
+        rows = jnp.arange(b)[:, None]
+        parent = jnp.take_along_axis(tree.parent, nodes, axis=1)
+        inherited = jnp.where((parent >= 0)[:, :, None], state.ancestors[rows, jnp.maximum(parent, 0)], False)
+        own = inherited | jax.nn.one_hot(nodes, n, dtype=bool)  # [B, w, N]
+        ancestors = state.ancestors.at[rows, nodes].set(own)
+        visible = jnp.concatenate([jnp.ones((b, w, prefix_len), bool), own], axis=2)
+        depth = jnp.take_along_axis(tree.depth, nodes, axis=1)
+        u, cache = adapter.node_states(tables, state.cache, jnp.take_along_axis(tree.tokens, nodes, axis=1), depth,
+                                       prefix_len + nodes[:, 0], visible)
+        d = jnp.clip(depth, 0, k - 1)[:, :, None]
+        ids = jnp.take_along_axis(pool_ids, d, axis=1)  # [B, w, P]
+        residual = jnp.einsum("bwpd,bwd->bwp", jnp.take(tables.candidate, ids, axis=0), u,
+                              preferred_element_type=jnp.float32)
+        logp = jax.nn.log_softmax(jnp.take_along_axis(pool_logits, d, axis=1).astype(jnp.float32) + residual, -1)
+        top, rank = jax.lax.top_k(logp, children)
+        return jnp.take_along_axis(ids, rank, axis=2), top, WeaverState(cache, ancestors)
+
+    return score
+
+
+def random_adapter_config(target: ModelConfig, *, depth: int, d_rank: int = 32, num_layers: int = 2,
+                          pool: int | None = None) -> AdapterConfig:
+    return AdapterConfig(d_model=target.hidden_size, d_embed=target.hidden_size, d_rank=d_rank,
+                         num_layers=num_layers, num_heads=max(1, d_rank // 16), mlp_dim=2 * d_rank, K=depth,
+                         candidate_pool_size=min(pool or 512, target.vocab_size), rope_base=10_000.0,
+                         rms_norm_eps=target.rms_norm_eps, dtype=target.dtype)
+
+
+def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: jax.Array, drafter_states: jax.Array,
+                marginal_logits: jax.Array, *, budget: int, children: int, expansions: int, pool_size: int) -> Tree:
+    """The Weaver proposal tree: batched best-first over the adapter's path-conditioned scores.
+    root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]`, marginal_logits `[B, K, V]`."""
+    b, k, _ = marginal_logits.shape
+    pool_logits, pool_ids = jax.lax.top_k(marginal_logits.astype(jnp.float32), pool_size)
+    cache = adapter.prefix(root_state, drafter_states, KVCache.init(adapter.config.block_config, b, k + 2 + budget))
+    state = WeaverState(cache, jnp.zeros((b, budget + 1, budget + 1), bool))
+    score = adapter_children(adapter, tables, pool_ids, pool_logits, children, k + 1)
+    tree, _ = batched_best_first(root, score, state, budget=budget, children=children, expansions=expansions,
+                                 max_depth=k)
+    return tree
