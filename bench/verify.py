@@ -1,12 +1,15 @@
-"""Tree verification against a decode step, and the per-round breakdown of speculative decoding.
+"""Tree verification against a decode step, Weaver tree construction, and the per-round breakdown.
 
     python bench/verify.py --shape qwen3-8b --nodes 16 32 64 128 256 --json out.json
 
 Every stage is timed inside a `fori_loop` with a loop-carried dependency, as (time(n + 1) -
 time(1)) / n, like bench/decode.py: verification of an N-node random tree (ancestor mask,
 positions len + depth) over a `--context`-token prefix, against N = 1 (a decode step) in the same
-run; then one round's stages for `dflash` and `ddtree` (budget 64): drafter proposal, tree build,
-verification, acceptance + commit. Random weights; a 5-layer DFlash drafter of the target's width.
+run; Weaver tree construction at budgets `--budgets` (adapter of width `--adapter-rank`,
+`--adapter-layers` layers, pool 512, 8 children per node) against the same number of
+full-vocabulary projections done as one matmul; then one round's stages for `dflash`, `ddtree`
+and `weaver` (budget 64): drafter proposal, tree build, verification, acceptance + commit.
+Random weights; a 5-layer DFlash drafter of the target's width.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
+from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids  # noqa: E402
 from weaver_jax._speculative import accept, build_tree, commit_kv  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
@@ -65,6 +69,9 @@ def main():
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--drafter-layers", type=int, default=5)
     parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--adapter-rank", type=int, default=1024)
+    parser.add_argument("--adapter-layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -73,6 +80,12 @@ def main():
     target = bench.random_target(config)
     dconfig = drafter_for(config, args.drafter_layers, args.block)
     drafter = bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1)))
+    aconfig = AdapterConfig(d_model=config.hidden_size, d_embed=config.hidden_size, d_rank=args.adapter_rank,
+                            num_layers=args.adapter_layers, num_heads=max(1, args.adapter_rank // 128),
+                            mlp_dim=4 * args.adapter_rank, K=args.block - 1,
+                            candidate_pool_size=min(512, config.vocab_size), dtype=dtype)
+    adapter = bench.random_module(lambda: Adapter(aconfig, rngs=nnx.Rngs(2)))
+    agraphdef, aparams = nnx.split(adapter)
     graphdef, params = nnx.split(target)
     dgraphdef, dparams = nnx.split(drafter)
     b, depth = args.batch, args.block - 1
@@ -99,17 +112,46 @@ def main():
         rows.append(dict(stage="verify", nodes=n, ms=seconds * 1e3, decode_step_ms=step * 1e3, ratio=seconds / step))
         print(json.dumps(rows[-1]), flush=True)
 
-    def propose(carry, ws):
+    marginals, dstates = jax.jit(lambda ws: nnx.merge(dgraphdef, ws[1]).propose(
+        nnx.merge(graphdef, ws[0]), ws[2], start, ws[3]))((params, dparams, cache, dcache))
+    tables = jax.jit(lambda ws: nnx.merge(agraphdef, ws[0]).tables(nnx.merge(graphdef, ws[1])))((aparams, params))
+    root_state = jax.random.normal(jax.random.key(3), (b, config.hidden_size), jnp.float32).astype(dtype)
+
+    def weaver_build(budget):
+        def body(c, ws):
+            a = nnx.merge(agraphdef, ws[0])
+            return weaver_tree(a, ws[1], c, ws[2], ws[3], ws[4] * (1 + 1e-30 * c[:, None, None]), budget=budget,
+                               children=8, expansions=-(-budget // 16), pool_size=aconfig.candidate_pool_size
+                               ).tokens[:, -1]
+        return body
+
+    head = target.embed[...] if target.lm_head is None else target.lm_head[...].T
+    for budget in args.budgets:
+        build = loop(weaver_build(budget), start, (aparams, tables, root_state, dstates, marginals))
+        xs = jax.random.normal(jax.random.key(4), (b * budget, config.hidden_size), jnp.float32).astype(dtype)
+        full = loop(lambda c, ws: c + jnp.argmax((ws[0] * (1 + 1e-30 * c[0]).astype(ws[0].dtype)) @ ws[1].T,
+                                                 -1)[: c.shape[0]].astype(jnp.int32), start, (xs, head))
+        rows.append(dict(stage="weaver_tree", budget=budget, ms=build * 1e3, full_vocab_projections_ms=full * 1e3,
+                         decode_step_ms=step * 1e3))
+        print(json.dumps(rows[-1]), flush=True)
+
+    def propose(carry, ws):  # the drafter stage alone, for the breakdown
         t, d = nnx.merge(graphdef, ws[0]), nnx.merge(dgraphdef, ws[1])
         return d.propose(t, ws[2], carry, ws[3])[0]
 
-    marginals = jax.jit(lambda ws: propose(start, ws))((params, dparams, cache, dcache))
     drafter_s = loop(lambda c, ws: jnp.argmax(propose(c, ws)[:, 0], -1).astype(jnp.int32), start,
                      (params, dparams, cache, dcache))
-    for method, options in (("dflash", {}), ("ddtree", {"budget": 64})):
-        build_s = loop(lambda c, ws, m=method, o=options: build_tree(m, c, ws * (1 + 1e-30 * c[:, None, None]), o)
-                       .tokens[:, -1], start, marginals)
-        tree = build_tree(method, start, marginals, options)
+    for method, options in (("dflash", {}), ("ddtree", {"budget": 64}), ("weaver", {"budget": 64})):
+        if method == "weaver":
+            build_s = loop(weaver_build(64), start, (aparams, tables, root_state, dstates, marginals))
+            tree = jax.jit(lambda ws: weaver_tree(nnx.merge(agraphdef, ws[0]), ws[1], start, ws[2], ws[3], ws[4],
+                                                  budget=64, children=8, expansions=4,
+                                                  pool_size=aconfig.candidate_pool_size)
+                           )((aparams, tables, root_state, dstates, marginals))
+        else:
+            build_s = loop(lambda c, ws, m=method, o=options: build_tree(m, c, ws * (1 + 1e-30 * c[:, None, None]),
+                                                                         o).tokens[:, -1], start, marginals)
+            tree = build_tree(method, start, marginals, options)
         verify_s = loop(verify_body(tree), start, (params, cache))
         logits = jax.random.normal(jax.random.key(0), (b, tree.size, config.vocab_size), jnp.float32)
         def accept_commit(carry, ws, tree=tree):
