@@ -91,12 +91,13 @@ def config_from_gguf(f: GGUFFile, dtype: str = "float32") -> ModelConfig:
         max_seq_len=int(m.get(f"{arch}.context_length", 8192)), dtype=dtype, family=arch)
 
 
-def hf_tensors_from_gguf(f: GGUFFile, config: ModelConfig) -> dict[str, np.ndarray]:
+def hf_tensors_from_gguf(f: GGUFFile, config: ModelConfig, progress: bool = False) -> dict[str, np.ndarray]:
     """Dequantized float32 tensors under Hugging Face names, q/k un-permuted for llama."""
     from gguf.quants import dequantize
+    from tqdm import tqdm
 
     out = {}
-    for t in f.reader.tensors:
+    for t in tqdm(f.reader.tensors, desc=f.path.name, unit="tensor", disable=not progress):
         name = hf_name(t.name)
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
         if f.architecture == "llama" and ".q_proj." in name:
@@ -107,7 +108,7 @@ def hf_tensors_from_gguf(f: GGUFFile, config: ModelConfig) -> dict[str, np.ndarr
     return out
 
 
-def load_gguf_target(path: str | Path, dtype: str = "float32") -> Transformer:
+def load_gguf_target(path: str | Path, dtype: str = "float32", progress: bool = False) -> Transformer:
     f = open_gguf(path)
     config = config_from_gguf(f, dtype)
-    return target_from_params(config, target_params_from_hf(config, hf_tensors_from_gguf(f, config)))
+    return target_from_params(config, target_params_from_hf(config, hf_tensors_from_gguf(f, config, progress)))

@@ -80,9 +80,10 @@ def target_params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray]
     return out
 
 
-def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
-    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json`."""
-    from safetensors.numpy import load_file
+def read_safetensors(directory: Path, progress: bool = False) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json`, as float32."""
+    from safetensors import safe_open
+    from tqdm import tqdm
 
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -94,14 +95,20 @@ def read_safetensors(directory: Path) -> dict[str, np.ndarray]:
     tensors = {}
     for f in files:
         try:
-            tensors.update(load_file(directory / f))
-        except Exception as e:
-            raise ValueError(f"cannot read {directory / f}: {e}") from e
+            with safe_open(directory / f, framework="numpy") as handle:
+                for name in tqdm(list(handle.keys()), desc=f, unit="tensor", disable=not progress):
+                    tensors[name] = handle.get_tensor(name).astype(np.float32)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {directory / f} (truncated or not safetensors?): {e}") from e
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ValueError(f"cannot read {directory / f} (truncated or not safetensors?): {e}") from e
     return tensors
 
 
-def load_hf_target(directory: str | Path, dtype: str = "float32") -> Transformer:
+def load_hf_target(directory: str | Path, dtype: str = "float32", progress: bool = False) -> Transformer:
     directory = Path(directory)
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory")
     config = config_from_hf(json.loads((directory / "config.json").read_text()), dtype)
-    tensors = {k: v.astype(np.float32) for k, v in read_safetensors(directory).items()}
+    tensors = read_safetensors(directory, progress)
     return target_from_params(config, target_params_from_hf(config, tensors))

