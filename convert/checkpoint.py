@@ -1,7 +1,8 @@
 """The project's checkpoint directory: `config.json` + orbax parameters (+ `tokenizer.json`).
 
-    DST/config.json      {"format": "weaver_jax", "version": 1, "target": {...ModelConfig...}}
-    DST/target/          orbax checkpoint of the target's parameters, names as `flatten_params`
+    DST/config.json      {"format": "weaver_jax", "version": 1, "kind": "target" | "drafter",
+                          "config": {...ModelConfig or DrafterConfig...}}
+    DST/params/          orbax checkpoint of the module's parameters, names as `flatten_params`
     DST/tokenizer.json   the tokenizer's vocabulary, merges and chat template, when the source had one
 
 Writing goes to a temporary sibling directory renamed into place at the end, so a failed
@@ -10,6 +11,7 @@ conversion never leaves a half-written DST.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -19,8 +21,11 @@ import numpy as np
 from flax import nnx
 
 from weaver_jax._config import ModelConfig
-from weaver_jax._model import Transformer, flatten_params, target_from_params
+from weaver_jax._drafter import Drafter, DrafterConfig
+from weaver_jax._model import Transformer, flatten_params, module_from_params
 from weaver_jax._tokenizer import Tokenizer
+
+KINDS = {"target": (Transformer, ModelConfig), "drafter": (Drafter, DrafterConfig)}
 
 FORMAT, VERSION = "weaver_jax", 1
 
@@ -30,7 +35,11 @@ def is_checkpoint(path: Path) -> bool:
     return config.exists() and json.loads(config.read_text()).get("format") == FORMAT
 
 
-def save(dst: str | Path, target: Transformer, tokenizer: Tokenizer | None = None) -> Path:
+def kind_of(path: Path) -> str:
+    return json.loads((Path(path) / "config.json").read_text()).get("kind")
+
+
+def save(dst: str | Path, module: Transformer | Drafter, tokenizer: Tokenizer | None = None) -> Path:
     import orbax.checkpoint as ocp
 
     dst = Path(dst).absolute()
@@ -39,10 +48,11 @@ def save(dst: str | Path, target: Transformer, tokenizer: Tokenizer | None = Non
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        params = flatten_params(nnx.to_pure_dict(nnx.state(target)))
+        params = flatten_params(nnx.to_pure_dict(nnx.state(module)))
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(tmp / "target", params)
-        config = {"format": FORMAT, "version": VERSION, "target": target.config.to_dict()}
+            checkpointer.save(tmp / "params", params)
+        kind = next(k for k, (cls, _) in KINDS.items() if isinstance(module, cls))
+        config = {"format": FORMAT, "version": VERSION, "kind": kind, "config": dataclasses.asdict(module.config)}
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         if tokenizer is not None:
             (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.spec))
@@ -53,19 +63,26 @@ def save(dst: str | Path, target: Transformer, tokenizer: Tokenizer | None = Non
     return dst
 
 
-def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer, Tokenizer | None]:
+def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Drafter, Tokenizer | None]:
+    """-> (the module, its tokenizer or None). dtype None keeps the stored parameter dtype."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    config = json.loads((path / "config.json").read_text())
-    if config.get("version") != VERSION:
-        raise ValueError(f"{path}: checkpoint version {config.get('version')} is not supported (expected {VERSION})")
-    target_config = ModelConfig.from_dict(config["target"])
+    meta = json.loads((path / "config.json").read_text())
+    if meta.get("version") != VERSION or meta.get("kind") not in KINDS:
+        raise ValueError(f"{path}: unsupported checkpoint (version {meta.get('version')}, kind {meta.get('kind')!r})")
+    cls, config_cls = KINDS[meta["kind"]]
+    fields = dict(meta["config"])
+    if config_cls is ModelConfig:
+        config = ModelConfig.from_dict(fields)
+    else:
+        config = DrafterConfig(**{**fields, "target_layer_ids": tuple(fields["target_layer_ids"])})
     if dtype is not None:
-        target_config = target_config.replace(dtype=dtype)
+        config = dataclasses.replace(config, dtype=dtype)
     with ocp.StandardCheckpointer() as checkpointer:
-        params = checkpointer.restore(path / "target")
-    target = target_from_params(target_config, {k: np.asarray(v) for k, v in params.items()})
+        params = checkpointer.restore(path / "params")
+    module = module_from_params(lambda: cls(config, rngs=nnx.Rngs(0)), config.dtype,
+                                {k: np.asarray(v) for k, v in params.items()})
     tokenizer_file = path / "tokenizer.json"
     tokenizer = Tokenizer.from_spec(json.loads(tokenizer_file.read_text())) if tokenizer_file.exists() else None
-    return target, tokenizer
+    return module, tokenizer

@@ -1,9 +1,13 @@
 """`weaver-convert`: PyTorch / Hugging Face / GGUF weights -> a weaver_jax checkpoint directory.
 
     weaver-convert target SRC DST [--dtype bfloat16|float32]
+    weaver-convert drafter SRC DST [--dtype ...] [--target-layers N]
 
-SRC is a Hugging Face directory (config.json + model.safetensors or a sharded index; Llama 3.x,
-SmolLM2, Qwen2.5, Qwen3) or a GGUF file (llama, qwen2). `weaver_jax.load(DST)` reads the result.
+target: SRC is a Hugging Face directory (config.json + model.safetensors or a sharded index;
+Llama 3.x, SmolLM2, Qwen2.5, Qwen3) or a GGUF file (llama, qwen2); `weaver_jax.load(DST)` reads it.
+drafter: SRC is a DFlash drafter directory (published z-lab layout); `weaver_jax.load(TARGET,
+drafter=DST)` reads it. `--target-layers` gives the target's layer count when the drafter's config
+has no target_layer_ids (DFlash's default rule then applies).
 """
 
 from __future__ import annotations
@@ -36,6 +40,19 @@ def convert_target(src: Path, dst: Path, dtype: str) -> str:
             f"{params / 1e6:.1f}M parameters in {dtype}{', tokenizer included' if tokenizer else ''}")
 
 
+def convert_drafter(src: Path, dst: Path, dtype: str, target_layers: int | None) -> str:
+    from weaver_jax.convert import checkpoint, dflash
+
+    if dst.exists():
+        raise FileExistsError(f"{dst} already exists; choose a new destination")
+    drafter = dflash.load_dflash_drafter(src, dtype, progress=True, num_target_layers=target_layers)
+    checkpoint.save(dst, drafter)
+    c = drafter.config
+    return (f"{src} -> {dst}: DFlash drafter, {c.num_layers} layers, block {c.block_size}, target layers "
+            f"{list(c.target_layer_ids)}, mask token {c.mask_token_id}, "
+            f"{sum(int(x.size) for x in _leaves(drafter)) / 1e6:.1f}M parameters in {dtype}")
+
+
 def _leaves(target):
     import jax
     from flax import nnx
@@ -51,9 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("src", type=Path)
     t.add_argument("dst", type=Path)
     t.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    d = sub.add_parser("drafter", help="a DFlash drafter directory")
+    d.add_argument("src", type=Path)
+    d.add_argument("dst", type=Path)
+    d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    d.add_argument("--target-layers", type=int, default=None)
     args = parser.parse_args(argv)
     try:
-        print(convert_target(args.src, args.dst, args.dtype))
+        if args.kind == "target":
+            print(convert_target(args.src, args.dst, args.dtype))
+        else:
+            print(convert_drafter(args.src, args.dst, args.dtype, args.target_layers))
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

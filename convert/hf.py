@@ -46,6 +46,37 @@ def config_from_hf(cfg: Mapping, dtype: str = "float32") -> ModelConfig:
 def target_params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """HF tensor names (Linear weights `[out, in]`) -> the project's flat names (`[in, out]`,
     fused qkv and gate/up). Raises on missing or unexpected tensors, naming them."""
+    get, used = tensor_getter(tensors)
+    out = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+    if config.tie_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints still store a copy
+    else:
+        out["lm_head"] = get("lm_head.weight").T
+    for i in range(config.num_layers):
+        out.update(block_params(get, f"model.layers.{i}.", f"layers.{i}.", config.qkv_bias, config.qk_norm))
+    check_all_used(tensors, used)
+    return out
+
+
+def block_params(get, src: str, dst: str, qkv_bias: bool, qk_norm: bool) -> dict[str, np.ndarray]:
+    """One HF decoder layer (`src` prefix) -> the project's `Block` (`dst` prefix)."""
+    out = {dst + "attn.qkv": np.concatenate([get(f"{src}self_attn.{n}_proj.weight") for n in "qkv"], axis=0).T}
+    if qkv_bias:
+        out[dst + "attn.qkv_bias"] = np.concatenate([get(f"{src}self_attn.{n}_proj.bias") for n in "qkv"])
+    if qk_norm:
+        out[dst + "attn.q_norm"] = get(src + "self_attn.q_norm.weight")
+        out[dst + "attn.k_norm"] = get(src + "self_attn.k_norm.weight")
+    out[dst + "attn.out"] = get(src + "self_attn.o_proj.weight").T
+    gate_up = [get(src + "mlp.gate_proj.weight"), get(src + "mlp.up_proj.weight")]
+    out[dst + "mlp.gate_up"] = np.concatenate(gate_up, axis=0).T
+    out[dst + "mlp.down"] = get(src + "mlp.down_proj.weight").T
+    out[dst + "attn_norm"] = get(src + "input_layernorm.weight")
+    out[dst + "mlp_norm"] = get(src + "post_attention_layernorm.weight")
+    return out
+
+
+def tensor_getter(tensors: Mapping[str, np.ndarray]):
+    """`get(name)` that names a missing tensor, and the set of names it handed out."""
     used: set[str] = set()
 
     def get(name):
@@ -54,30 +85,13 @@ def target_params_from_hf(config: ModelConfig, tensors: Mapping[str, np.ndarray]
         used.add(name)
         return np.asarray(tensors[name])
 
-    out = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
-    if config.tie_embeddings:
-        used.add("lm_head.weight")  # some tied checkpoints still store a copy
-    else:
-        out["lm_head"] = get("lm_head.weight").T
-    for i in range(config.num_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        attn = [get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-        out[q + "attn.qkv"] = np.concatenate(attn, axis=0).T
-        if config.qkv_bias:
-            out[q + "attn.qkv_bias"] = np.concatenate([get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
-        if config.qk_norm:
-            out[q + "attn.q_norm"] = get(p + "self_attn.q_norm.weight")
-            out[q + "attn.k_norm"] = get(p + "self_attn.k_norm.weight")
-        out[q + "attn.out"] = get(p + "self_attn.o_proj.weight").T
-        gate_up = [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-        out[q + "mlp.gate_up"] = np.concatenate(gate_up, axis=0).T
-        out[q + "mlp.down"] = get(p + "mlp.down_proj.weight").T
-        out[q + "attn_norm"] = get(p + "input_layernorm.weight")
-        out[q + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
+    return get, used
+
+
+def check_all_used(tensors: Mapping[str, np.ndarray], used: set[str]) -> None:
     unexpected = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
     if unexpected:
         raise ValueError(f"unexpected tensors: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
-    return out
 
 
 def read_safetensors(directory: Path, progress: bool = False) -> dict[str, np.ndarray]:

@@ -35,7 +35,8 @@ def test_convert_hf_round_trip(tmp_path, name, capsys):
 
 def test_convert_bfloat16(tmp_path):
     dst = convert(tmp_path, FIXTURES / "hf" / "qwen3", dtype="bfloat16")
-    assert json.loads((dst / "config.json").read_text())["target"]["dtype"] == "bfloat16"
+    meta = json.loads((dst / "config.json").read_text())
+    assert meta["kind"] == "target" and meta["config"]["dtype"] == "bfloat16"
     bundle = weaver_jax.load(dst)
     assert str(bundle.target.embed[...].dtype) == "bfloat16"
 
@@ -110,3 +111,45 @@ def test_truncated_gguf_and_existing_destination(tmp_path, capsys):
     assert cli.main(["target", str(path), str(tmp_path / "bad")]) == 2
     assert "not a readable GGUF file" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_dflash_drafter_matches_the_pytorch_reference(tmp_path):
+    """tests/fixtures/dflash was written by an independent PyTorch forward (make_fixtures.py)."""
+    import jax.numpy as jnp
+
+    dst = tmp_path / "drafter"
+    assert cli.main(["drafter", str(FIXTURES / "dflash"), str(dst)]) == 0
+    bundle = weaver_jax.load(FIXTURES / "hf" / "qwen3", dtype="float32", drafter=dst)
+    drafter = bundle.drafter
+    assert drafter.config.target_layer_ids == (0, 1) and drafter.config.block_size == 5
+    ref = np.load(FIXTURES / "dflash" / "reference.npz")
+    c = ref["ctx"].shape[0]
+    hidden = tuple(jnp.asarray(x)[None] for x in np.split(ref["ctx"], 2, axis=-1))
+    cache = drafter.commit(drafter.init_cache(1, 32), hidden, jnp.arange(c)[None], jnp.array([c]))
+    np.testing.assert_allclose(np.asarray(drafter(jnp.asarray(ref["block"])[None], cache))[0], ref["states"],
+                               atol=1e-4)
+    # the converted bundle generates losslessly with the imported drafter
+    prompts = [[1, 2, 3, 4]]
+    assert (weaver_jax.generate(bundle, prompts, method="dflash", max_new_tokens=10).tokens
+            == weaver_jax.generate(bundle, prompts, max_new_tokens=10).tokens)
+
+
+def test_drafter_for_another_target_is_refused(tmp_path):
+    dst = tmp_path / "drafter"
+    assert cli.main(["drafter", str(FIXTURES / "dflash"), str(dst)]) == 0
+    with pytest.raises(ValueError, match="drafter does not match the target: target width 64 != 576; vocabulary 256"):
+        weaver_jax.load("smollm2-135m-instruct", drafter=dst)
+    with pytest.raises(ValueError, match="holds a drafter checkpoint"):
+        weaver_jax.load(dst)
+
+
+def test_dflash_config_without_layer_ids_needs_the_target_depth(tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "dflash", src)
+    config = json.loads((src / "config.json").read_text())
+    del config["dflash_config"]["target_layer_ids"]
+    (src / "config.json").write_text(json.dumps(config))
+    assert cli.main(["drafter", str(src), str(tmp_path / "a")]) == 2
+    assert "--target-layers" in capsys.readouterr().err
+    assert cli.main(["drafter", str(src), str(tmp_path / "b"), "--target-layers", "36"]) == 0
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["config"]["target_layer_ids"] == [1, 33]

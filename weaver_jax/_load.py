@@ -88,13 +88,37 @@ def _cached_gguf_target(path: Path, dtype: str) -> Transformer:
     return target if dtype == "float32" else target_from_params(target.config.replace(dtype=dtype), params)
 
 
-def load(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> Bundle:
+def load(name_or_path: str | os.PathLike, *, dtype: str | None = None,
+         drafter: str | os.PathLike | None = None) -> Bundle:
     """Load a named model (`"smollm2-135m-instruct"`), a checkpoint written by `weaver-convert`, a
-    `.gguf` file, or a Hugging Face directory.
+    `.gguf` file, or a Hugging Face directory; with `drafter`, also a drafter (a `weaver-convert
+    drafter` checkpoint or a DFlash directory), checked against the target.
 
     dtype: parameter dtype, "float32" or "bfloat16"; default: a checkpoint's own, else float32 on
     CPU and bfloat16 on GPU.
     """
+    bundle = _load_target(name_or_path, dtype)
+    if drafter is not None:
+        bundle.drafter = _load_drafter(Path(drafter), dtype or bundle.config.dtype, bundle.config)
+    return bundle
+
+
+def _load_drafter(path: Path, dtype: str, target: ModelConfig):
+    from weaver_jax.convert import checkpoint, dflash
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"drafter {path} is not a directory")
+    if checkpoint.is_checkpoint(path):
+        module, _ = checkpoint.load(path, dtype)
+        if checkpoint.kind_of(path) != "drafter":
+            raise ValueError(f"{path} holds a {checkpoint.kind_of(path)} checkpoint, not a drafter")
+    else:
+        module = dflash.load_dflash_drafter(path, dtype, num_target_layers=target.num_layers)
+    module.config.check_target(target)
+    return module
+
+
+def _load_target(name_or_path, dtype: str | None) -> Bundle:
     from weaver_jax.convert import checkpoint, gguf, hf
 
     requested_dtype = dtype
@@ -109,6 +133,8 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> Bundle
                 f"{name!r} is neither a known model name ({sorted(NAMED_MODELS)}) nor an existing path")
     if path.is_dir():
         if checkpoint.is_checkpoint(path):
+            if checkpoint.kind_of(path) != "target":
+                raise ValueError(f"{path} holds a {checkpoint.kind_of(path)} checkpoint; pass it as drafter=")
             target, tokenizer = checkpoint.load(path, requested_dtype)
             eos = () if tokenizer is None or tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
             return Bundle(target, tokenizer, eos_token_ids=eos, name=name)

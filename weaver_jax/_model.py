@@ -269,7 +269,12 @@ def flatten_params(tree, prefix: str = "") -> dict:
 def target_from_params(config: ModelConfig, params: dict) -> Transformer:
     """Build a Transformer from flat `{name: array}` in the project's layout (names as
     `flatten_params` prints them), checking that every tensor is present with its shape."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    return module_from_params(lambda: Transformer(config, rngs=nnx.Rngs(0)), config.jnp_dtype, params)
+
+
+def module_from_params(make, dtype, params: dict):
+    """Any of the project's modules (`make()` builds one) from flat `{name: array}`, shapes checked."""
+    graphdef, state = nnx.split(nnx.eval_shape(make))
     expected = flatten_params(nnx.to_pure_dict(state))
     missing = sorted(set(expected) - set(params))
     unexpected = sorted(set(params) - set(expected))
@@ -285,7 +290,7 @@ def target_from_params(config: ModelConfig, params: dict) -> Transformer:
             if isinstance(v, dict):
                 fill(v, f"{prefix}{k}.")
             else:
-                tree[k] = jnp.asarray(params[f"{prefix}{k}"], config.jnp_dtype)
+                tree[k] = jnp.asarray(params[f"{prefix}{k}"], dtype)
 
     fill(nested)
     nnx.replace_by_pure_dict(state, nested)
