@@ -32,7 +32,7 @@ def test_greedy_equals_autoregressive(seed, tie, method, options):
     rng = np.random.default_rng(seed)
     for name, bundle in bundles(seed, tie):
         prompts = [rng.integers(0, 100, n).tolist() for n in (5, 12, 2)]
-        for batch in ([prompts[0]], prompts):
+        for batch in ([prompts[0]], prompts) if seed == 0 else (prompts,):  # batch 1 once per drafter
             ar = weaver_jax.generate(bundle, batch, max_new_tokens=20)
             spec = weaver_jax.generate(bundle, batch, method=method, max_new_tokens=20, **options)
             assert spec.tokens == ar.tokens, (name, method)
