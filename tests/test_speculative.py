@@ -155,6 +155,14 @@ def test_speculative_bad_input():
         weaver_jax.generate(rb, [[1]], method="dflash", max_new_tokens=2, budget=8)
     with pytest.raises(ValueError, match="needs a drafter"):
         weaver_jax.generate(weaver_jax.Bundle(rb.target), [[1]], method="ddtree", max_new_tokens=2)
+    with pytest.raises(ValueError, match="needs an adapter"):
+        weaver_jax.generate(weaver_jax.Bundle(rb.target, drafter=rb.drafter), [[1]], method="weaver", max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"children_per_node must be an integer in \[1, pool_size=16\]"):
+        weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, pool_size=16, children_per_node=17)
+    with pytest.raises(ValueError, match=r"pool_size must be an integer in \[1, 128\]"):
+        weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, pool_size=1000)
+    with pytest.raises(TypeError, match=r"unknown options \['width'\]"):
+        weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, width=3)
     other = random_bundle(7, hidden_size=32, num_layers=1)
     with pytest.raises(ValueError, match=r"drafter does not match the target: target width 32 != 64"):
         weaver_jax.generate(weaver_jax.Bundle(rb.target, drafter=other.drafter), [[1]], method="dflash",

@@ -2,7 +2,8 @@
 
 The whole generation is one `lax.while_loop` under `jax.jit`. Per round:
   1. the drafter proposes marginals for the `b - 1` positions after the root (the last bonus token);
-  2. a builder turns them into a static tree (`chain` for DFlash, `ddtree`);
+  2. a builder turns them into a static tree (`chain` for DFlash, `ddtree`, or the Weaver
+     adapter's batched best-first search);
   3. the target verifies every node at position `len + depth` under the ancestor mask; the nodes'
      K/V land in the scratch slots `[len, len + N)`;
   4. the acceptance walk starts at the root: draw the target's token at the current node (argmax,
