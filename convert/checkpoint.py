@@ -22,7 +22,7 @@ from flax import nnx
 
 from weaver_jax._config import ModelConfig
 from weaver_jax._drafter import Drafter, DrafterConfig
-from weaver_jax._model import Transformer, flatten_params, module_from_params
+from weaver_jax._model import Transformer, module_from_params, module_params
 from weaver_jax._tokenizer import Tokenizer
 
 KINDS = {"target": (Transformer, ModelConfig), "drafter": (Drafter, DrafterConfig)}
@@ -39,16 +39,21 @@ def kind_of(path: Path) -> str:
     return json.loads((Path(path) / "config.json").read_text()).get("kind")
 
 
-def save(dst: str | Path, module: Transformer | Drafter, tokenizer: Tokenizer | None = None) -> Path:
-    import orbax.checkpoint as ocp
-
+def require_new(dst: str | Path) -> Path:
     dst = Path(dst).absolute()
     if dst.exists():
         raise FileExistsError(f"{dst} already exists; choose a new destination")
+    return dst
+
+
+def save(dst: str | Path, module: Transformer | Drafter, tokenizer: Tokenizer | None = None) -> Path:
+    import orbax.checkpoint as ocp
+
+    dst = require_new(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
-        params = flatten_params(nnx.to_pure_dict(nnx.state(module)))
+        params = module_params(module)
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
         kind = next(k for k, (cls, _) in KINDS.items() if isinstance(module, cls))

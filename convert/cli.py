@@ -21,8 +21,7 @@ def convert_target(src: Path, dst: Path, dtype: str) -> str:
     from weaver_jax._tokenizer import Tokenizer
     from weaver_jax.convert import checkpoint, gguf, hf
 
-    if dst.exists():  # before any work
-        raise FileExistsError(f"{dst} already exists; choose a new destination")
+    checkpoint.require_new(dst)  # before any work
     tokenizer = None
     if src.is_dir():
         target = hf.load_hf_target(src, dtype, progress=True)
@@ -43,8 +42,7 @@ def convert_target(src: Path, dst: Path, dtype: str) -> str:
 def convert_drafter(src: Path, dst: Path, dtype: str, target_layers: int | None) -> str:
     from weaver_jax.convert import checkpoint, dflash
 
-    if dst.exists():
-        raise FileExistsError(f"{dst} already exists; choose a new destination")
+    checkpoint.require_new(dst)  # before any work
     drafter = dflash.load_dflash_drafter(src, dtype, progress=True, num_target_layers=target_layers)
     checkpoint.save(dst, drafter)
     c = drafter.config

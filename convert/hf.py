@@ -112,9 +112,7 @@ def read_safetensors(directory: Path, progress: bool = False) -> dict[str, np.nd
             with safe_open(directory / f, framework="numpy") as handle:
                 for name in tqdm(list(handle.keys()), desc=f, unit="tensor", disable=not progress):
                     tensors[name] = handle.get_tensor(name).astype(np.float32)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read {directory / f} (truncated or not safetensors?): {e}") from e
-        except Exception as e:  # safetensors raises its own SafetensorError
+        except Exception as e:  # OSError, or safetensors' own SafetensorError
             raise ValueError(f"cannot read {directory / f} (truncated or not safetensors?): {e}") from e
     return tensors
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 import weaver_jax
 from weaver_jax._drafter import Drafter, default_target_layer_ids, random_drafter_config
-from weaver_jax._model import flatten_params
+from weaver_jax._model import module_params
 
 from .conftest import make_pair
 
@@ -29,8 +29,7 @@ def _rope(x, pos, theta):  # x [T, H, D], rotate_half convention
 def reference_drafter(drafter: Drafter, target_hidden: list[np.ndarray], block_embeds: np.ndarray) -> np.ndarray:
     """One sequence: context = every token of target_hidden (positions 0..C-1), block after it."""
     c = drafter.config
-    flat = flatten_params(nnx.to_pure_dict(nnx.state(drafter)))
-    p = {k: np.asarray(v, np.float64) for k, v in flat.items()}
+    p = {k: np.asarray(v, np.float64) for k, v in module_params(drafter).items()}
     feats = _rms(np.concatenate(target_hidden, -1) @ p["fc"], p["hidden_norm"], c.rms_norm_eps)
     n_ctx, n_blk = feats.shape[0], block_embeds.shape[0]
     x = np.asarray(block_embeds, np.float64)

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 from weaver_jax._config import ModelConfig
-from weaver_jax._model import Transformer, flatten_params, target_from_params
+from weaver_jax._model import Transformer, module_params, target_from_params
 from weaver_jax._tokenizer import Tokenizer
 
 # Bump when the conversion changes, so stale cached weights are not reused.
@@ -74,7 +73,7 @@ def _cached_gguf_target(path: Path, dtype: str) -> Transformer:
         config = ModelConfig.from_dict(json.loads((entry / "config.json").read_text())).replace(dtype=dtype)
         return target_from_params(config, load_file(entry / "params.safetensors"))
     target = gguf.load_gguf_target(path, "float32")
-    params = {k: np.asarray(v) for k, v in flatten_params(nnx.to_pure_dict(nnx.state(target))).items()}
+    params = {k: np.asarray(v) for k, v in module_params(target).items()}
     entry.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=entry.parent) as tmp:
         save_file(params, Path(tmp) / "params.safetensors")
@@ -109,9 +108,9 @@ def _load_drafter(path: Path, dtype: str, target: ModelConfig):
     if not path.is_dir():
         raise FileNotFoundError(f"drafter {path} is not a directory")
     if checkpoint.is_checkpoint(path):
-        module, _ = checkpoint.load(path, dtype)
         if checkpoint.kind_of(path) != "drafter":
             raise ValueError(f"{path} holds a {checkpoint.kind_of(path)} checkpoint, not a drafter")
+        module, _ = checkpoint.load(path, dtype)
     else:
         module = dflash.load_dflash_drafter(path, dtype, num_target_layers=target.num_layers)
     module.config.check_target(target)
@@ -136,11 +135,13 @@ def _load_target(name_or_path, dtype: str | None) -> Bundle:
             if checkpoint.kind_of(path) != "target":
                 raise ValueError(f"{path} holds a {checkpoint.kind_of(path)} checkpoint; pass it as drafter=")
             target, tokenizer = checkpoint.load(path, requested_dtype)
-            eos = () if tokenizer is None or tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
-            return Bundle(target, tokenizer, eos_token_ids=eos, name=name)
+            return Bundle(target, tokenizer, eos_token_ids=_eos_ids(tokenizer), name=name)
         return Bundle(hf.load_hf_target(path, dtype), name=name)
     f = gguf.open_gguf(path)
     gguf.config_from_gguf(f)  # fails early on an unsupported architecture
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata) if "tokenizer.ggml.tokens" in f.metadata else None
-    eos = () if tokenizer is None or tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
-    return Bundle(_cached_gguf_target(path, dtype), tokenizer, eos_token_ids=eos, name=name)
+    return Bundle(_cached_gguf_target(path, dtype), tokenizer, eos_token_ids=_eos_ids(tokenizer), name=name)
+
+
+def _eos_ids(tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    return () if tokenizer is None or tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)

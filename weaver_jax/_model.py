@@ -254,6 +254,11 @@ def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_la
     return x, tuple(hidden[i] for i in hidden_layers), KVCache(tuple(ks), tuple(vs), cache.lengths)
 
 
+def module_params(module: nnx.Module) -> dict:
+    """A module's parameters as flat `{"layers.0.attn.qkv": array}` (the checkpoint layout)."""
+    return flatten_params(nnx.to_pure_dict(nnx.state(module)))
+
+
 def flatten_params(tree, prefix: str = "") -> dict:
     """Nested pure dict (as `nnx.to_pure_dict` gives) -> {"layers.0.attn.qkv": leaf}."""
     flat = {}
