@@ -16,6 +16,10 @@ case "$variant" in
     python3 bench/decode.py --shape qwen3-8b --batch 1 8 --label default --json "$OUT/qwen3-8b_default.json" ;;
   verify)  # tree verification vs a decode step, and the per-round breakdown (issue 3)
     python3 bench/verify.py --shape qwen3-8b --json "$OUT/verify_qwen3-8b.json" ;;
+  tree)  # where Weaver's tree-construction time goes (issue 4), plain and with XLA command buffers
+    python3 bench/tree_build.py --json "$OUT/tree_build.json"
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
+      python3 bench/tree_build.py --label cmdbuf --budgets 64 --expansions 4 --json "$OUT/tree_build_cmdbuf.json" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;
