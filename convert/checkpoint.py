@@ -1,6 +1,6 @@
 """The project's checkpoint directory: `config.json` + orbax parameters (+ `tokenizer.json`).
 
-    DST/config.json      {"format": "weaver_jax", "version": 1, "kind": "target" | "drafter",
+    DST/config.json      {"format": "weaver_jax", "version": 1, "kind": "target" | "drafter" | "adapter",
                           "config": {...ModelConfig or DrafterConfig...}}
     DST/params/          orbax checkpoint of the module's parameters, names as `flatten_params`
     DST/tokenizer.json   the tokenizer's vocabulary, merges and chat template, when the source had one
@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
+from weaver_jax._adapter import Adapter, AdapterConfig
 from weaver_jax._config import ModelConfig
 from weaver_jax._drafter import Drafter, DrafterConfig
 from weaver_jax._model import Transformer, module_from_params, module_params
 from weaver_jax._tokenizer import Tokenizer
 
-KINDS = {"target": (Transformer, ModelConfig), "drafter": (Drafter, DrafterConfig)}
+KINDS = {"target": (Transformer, ModelConfig), "drafter": (Drafter, DrafterConfig), "adapter": (Adapter, AdapterConfig)}
 
 FORMAT, VERSION = "weaver_jax", 1
 
@@ -46,7 +47,7 @@ def require_new(dst: str | Path) -> Path:
     return dst
 
 
-def save(dst: str | Path, module: Transformer | Drafter, tokenizer: Tokenizer | None = None) -> Path:
+def save(dst: str | Path, module: Transformer | Drafter | Adapter, tokenizer: Tokenizer | None = None) -> Path:
     import orbax.checkpoint as ocp
 
     dst = require_new(dst)
@@ -68,7 +69,7 @@ def save(dst: str | Path, module: Transformer | Drafter, tokenizer: Tokenizer | 
     return dst
 
 
-def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Drafter, Tokenizer | None]:
+def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Drafter | Adapter, Tokenizer | None]:
     """-> (the module, its tokenizer or None). dtype None keeps the stored parameter dtype."""
     import orbax.checkpoint as ocp
 
@@ -80,8 +81,10 @@ def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Draf
     fields = dict(meta["config"])
     if config_cls is ModelConfig:
         config = ModelConfig.from_dict(fields)
-    else:
+    elif config_cls is DrafterConfig:
         config = DrafterConfig(**{**fields, "target_layer_ids": tuple(fields["target_layer_ids"])})
+    else:
+        config = AdapterConfig(**fields)
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
     with ocp.StandardCheckpointer() as checkpointer:

@@ -92,15 +92,36 @@ class Adapter(nnx.Module):
     def prefix(self, root_state: jax.Array, drafter_states: jax.Array, cache: KVCache) -> KVCache:
         """root_state `[B, D]` (the target's final normed state that produced the root),
         drafter_states `[B, K, D]` -> cache with the prefix K/V in slots `[0, K + 1)`, lengths K + 1."""
-        x = jnp.concatenate([root_state[:, None], drafter_states], axis=1)
-        x = rms_norm(x, self.output_norm[...], self.config.rms_norm_eps) @ self.proposal_in[...]
-        x = x + self.proposal_in_bias[...]
+        x = self._prefix_inputs(root_state, drafter_states)
         b, t = x.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
         cache = cache.with_lengths(jnp.zeros((b,), jnp.int32))
         _, _, cache = run_blocks(self.layers, x, positions, rope_frequencies(self.config.block_config), cache,
                                  jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)))
         return cache.with_lengths(jnp.full((b,), t, jnp.int32))
+
+    def _prefix_inputs(self, root_state: jax.Array, drafter_states: jax.Array) -> jax.Array:
+        x = jnp.concatenate([root_state[:, None], drafter_states], axis=1)
+        x = rms_norm(x, self.output_norm[...], self.config.rms_norm_eps) @ self.proposal_in[...]
+        return x + self.proposal_in_bias[...]
+
+    def teacher_forced(self, tables: Tables, root_state: jax.Array, drafter_states: jax.Array,
+                       path: jax.Array) -> jax.Array:
+        """Training: the node states along one path, all in one pass. root_state `[R, D]`,
+        drafter_states `[R, K, D]`, path `[R, K]` (the root's token, then the tokens at depths
+        1..K-1) -> u `[R, K, d]`, node t's state that scores the pool of depth t + 1. Equal to the
+        prefix + node steps of `weaver_tree` along that path: node t at position t + 1 sees the whole
+        prefix and nodes 0..t."""
+        r, k = path.shape
+        x = jnp.concatenate([self._prefix_inputs(root_state, drafter_states), jnp.take(tables.token, path, axis=0)],
+                            axis=1)
+        positions = jnp.broadcast_to(jnp.concatenate([jnp.arange(k + 1), jnp.arange(k) + 1]), (r, 2 * k + 1))
+        prefix_rows = jnp.concatenate([jnp.tril(jnp.ones((k + 1, k + 1), bool)), jnp.zeros((k + 1, k), bool)], 1)
+        node_rows = jnp.concatenate([jnp.ones((k, k + 1), bool), jnp.tril(jnp.ones((k, k), bool))], 1)
+        attend = jnp.broadcast_to(jnp.concatenate([prefix_rows, node_rows]), (r, 2 * k + 1, 2 * k + 1))
+        cache = KVCache.init(self.config.block_config, r, 2 * k + 1)
+        h, _, _ = run_blocks(self.layers, x, positions, rope_frequencies(self.config.block_config), cache, attend)
+        return rms_norm(h[:, k + 1 :], self.out_norm[...], self.config.rms_norm_eps)
 
     def node_states(self, tables: Tables, cache: KVCache, tokens, depth, slot0, visible) -> tuple[jax.Array, KVCache]:
         """Node steps for w nodes per sequence: tokens, depth `[B, w]`; their K/V go to slots

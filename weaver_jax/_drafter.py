@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from weaver_jax._config import ModelConfig
-from weaver_jax._model import Block, KVCache, _param, _write, rms_norm, rope_frequencies, run_blocks
+from weaver_jax._model import Block, KVCache, _param, _write, rms_norm, rope_frequencies, run_blocks, visibility_mask
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple[int, ...]:
@@ -134,12 +134,35 @@ class Drafter(nnx.Module):
         `cache.lengths + [0, b)` -> normed drafter states `[B, b, D_t]` for the target's LM head.
         The block sees the whole committed context and itself, without a causal mask."""
         b, t = block_embeds.shape[:2]
-        x = block_embeds if self.in_proj is None else block_embeds @ self.in_proj[...]
         positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-        attend = jnp.ones((b, t, t), bool)
-        x, _, _ = run_blocks(self.layers, x, positions, rope_frequencies(self.config.layer_config), cache, attend)
+        return self._stack(block_embeds, positions, cache, visibility_mask(cache.lengths, jnp.ones((b, t, t), bool),
+                                                                             cache.size))
+
+    def _stack(self, block_embeds, positions, cache: KVCache, mask) -> jax.Array:
+        x = block_embeds if self.in_proj is None else block_embeds @ self.in_proj[...]
+        x, _, _ = run_blocks(self.layers, x, positions, rope_frequencies(self.config.layer_config), cache, None,
+                             mask=mask)
         x = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
         return x if self.out_proj is None else x @ self.out_proj[...]
+
+    def train_states(self, embed: jax.Array, tokens: jax.Array, features: jax.Array, anchors: jax.Array) -> jax.Array:
+        """Many blocks at once, for training (DESIGN 3.2): anchor a opens the block `[x_a, MASK...]`
+        at positions a..a+b-1 that sees the context features of positions < a and its own block.
+        embed `[V, D_t]` (the target's), tokens `[B, T]`, features `[B, T, d]` (context_features
+        of every position), anchors `[B, A]` -> normed states `[B, A, b, D_t]`; for one anchor this
+        is what `propose` computes after committing `x_0..x_{a-1}`."""
+        (bsz, t), a, b = tokens.shape, anchors.shape[1], self.config.block_size
+        positions = jnp.broadcast_to(jnp.arange(t), (bsz, t))
+        cache = self.extend(self.init_cache(bsz, t + a * b), features, positions, jnp.full((bsz,), t))
+        block = jnp.full((bsz, a, b), self.config.mask_token_id, jnp.int32)
+        block = block.at[:, :, 0].set(jnp.take_along_axis(tokens, anchors, axis=1))
+        x = jnp.take(embed, block.reshape(bsz, a * b), axis=0)
+        block_positions = (anchors[:, :, None] + jnp.arange(b)).reshape(bsz, a * b)
+        sees_context = jnp.repeat(jnp.arange(t)[None, None, :] < anchors[:, :, None], b, axis=1)  # [B, A*b, T]
+        block_of = jnp.arange(a * b) // b
+        same_block = jnp.broadcast_to(block_of[:, None] == block_of[None, :], (bsz, a * b, a * b))
+        mask = jnp.concatenate([sees_context, same_block], axis=2)
+        return self._stack(x, block_positions, cache, mask).reshape(bsz, a, b, -1)
 
 
 def random_drafter_config(target: ModelConfig, *, num_layers: int = 2, block_size: int = 8,

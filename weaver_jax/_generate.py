@@ -201,7 +201,8 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
     uses `fold_in(key(seed), i)`) or one seed per prompt. Returns `.tokens` and `.stats`
     (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`; speculative
-    methods add `mean_accepted_length` and `accepted_length_histogram`).
+    methods add `mean_accepted_length`, `accepted_length_histogram`, and per prompt
+    `sequence_verifications` and `sequence_accepted_tokens`).
     """
     from weaver_jax._speculative import METHODS, spec_generate
 
@@ -259,8 +260,12 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     stats = dict(rounds=int(out.rounds), new_tokens=new_tokens, seconds=seconds,
                  tokens_per_second=new_tokens / seconds, compile_seconds=t1 - t0)
     if method != "ar":
-        histogram = np.asarray(out.histogram).sum(0)
+        per_sequence = np.asarray(out.histogram)  # [B, K + 2]: rounds by tokens emitted
+        histogram = per_sequence.sum(0)
         verifications = int(np.asarray(out.seq_rounds).sum())
+        # per prompt, so that tau can be pooled over any subset of a batch
+        stats["sequence_verifications"] = np.asarray(out.seq_rounds).tolist()
+        stats["sequence_accepted_tokens"] = (per_sequence * np.arange(per_sequence.shape[1])).sum(1).tolist()
         # tau: tokens emitted per verification, bonus included (the prefill's first token excluded)
         stats["mean_accepted_length"] = float((histogram * np.arange(len(histogram))).sum() / max(verifications, 1))
         stats["accepted_length_histogram"] = histogram.tolist()

@@ -87,32 +87,51 @@ def _cached_gguf_target(path: Path, dtype: str) -> Transformer:
     return target if dtype == "float32" else target_from_params(target.config.replace(dtype=dtype), params)
 
 
-def load(name_or_path: str | os.PathLike, *, dtype: str | None = None,
-         drafter: str | os.PathLike | None = None) -> Bundle:
+def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: str | os.PathLike | None = None,
+         adapter: str | os.PathLike | None = None) -> Bundle:
     """Load a named model (`"smollm2-135m-instruct"`), a checkpoint written by `weaver-convert`, a
-    `.gguf` file, or a Hugging Face directory; with `drafter`, also a drafter (a `weaver-convert
-    drafter` checkpoint or a DFlash directory), checked against the target.
+    `.gguf` file, or a Hugging Face directory; with `drafter` / `adapter`, also a drafter (a
+    `weaver-convert drafter` checkpoint, a DFlash directory, or a trained one) and a Weaver adapter
+    checkpoint, each checked against the target. A named model comes with the drafter and adapter
+    shipped for it unless others are given.
 
     dtype: parameter dtype, "float32" or "bfloat16"; default: a checkpoint's own, else float32 on
     CPU and bfloat16 on GPU.
     """
     bundle = _load_target(name_or_path, dtype)
+    shipped = SHIPPED_WEIGHTS / str(name_or_path)
+    if str(name_or_path) in NAMED_MODELS:
+        drafter = drafter if drafter is not None else _if_exists(shipped / "drafter")
+        adapter = adapter if adapter is not None else _if_exists(shipped / "adapter")
+    part_dtype = dtype or bundle.config.dtype
     if drafter is not None:
-        bundle.drafter = _load_drafter(Path(drafter), dtype or bundle.config.dtype, bundle.config)
+        bundle.drafter = _load_part(Path(drafter), "drafter", part_dtype, bundle.config)
+    if adapter is not None:
+        bundle.adapter = _load_part(Path(adapter), "adapter", part_dtype, bundle.config)
     return bundle
 
 
-def _load_drafter(path: Path, dtype: str, target: ModelConfig):
+# Drafters and adapters trained for the named models (issue 5), in the project's checkpoint format.
+SHIPPED_WEIGHTS = Path(__file__).parent / "weights"
+
+
+def _if_exists(path: Path) -> Path | None:
+    return path if path.exists() else None
+
+
+def _load_part(path: Path, kind: str, dtype: str, target: ModelConfig):
     from weaver_jax.convert import checkpoint, dflash
 
     if not path.is_dir():
-        raise FileNotFoundError(f"drafter {path} is not a directory")
+        raise FileNotFoundError(f"{kind} {path} is not a directory")
     if checkpoint.is_checkpoint(path):
-        if checkpoint.kind_of(path) != "drafter":
-            raise ValueError(f"{path} holds a {checkpoint.kind_of(path)} checkpoint, not a drafter")
+        if checkpoint.kind_of(path) != kind:
+            raise ValueError(f"{path} holds a {checkpoint.kind_of(path)} checkpoint, not a {kind}")
         module, _ = checkpoint.load(path, dtype)
-    else:
+    elif kind == "drafter":
         module = dflash.load_dflash_drafter(path, dtype, num_target_layers=target.num_layers)
+    else:
+        raise ValueError(f"{path} is not a weaver_jax adapter checkpoint (no config.json with format 'weaver_jax')")
     module.config.check_target(target)
     return module
 

@@ -2,13 +2,24 @@
 
     weaver-jax generate "What is the capital of France?" --max-new-tokens 64
     weaver-jax generate --ids 1,4093,198 --model path/to/model.gguf --json
+
+Training a drafter and an adapter for a target (each step resumes where an interrupted run stopped):
+
+    weaver-jax train-prompts data/prompts            # CPU: the prompt mix and the evaluation sets
+    weaver-jax train-data data/prompts/prompts.json data/train   # GPU: the target's own responses
+    weaver-jax train-drafter data/train runs/drafter --export out/drafter
+    weaver-jax train-adapter data/train runs/adapter --drafter out/drafter --export out/adapter
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
+
+from flax import nnx
 
 import weaver_jax
 
@@ -43,6 +54,147 @@ def _generate(args) -> int:
     return 0
 
 
+def _train_prompts(args) -> int:
+    from weaver_jax import _prompts
+
+    packages = Path(args.packages) if args.packages else Path(args.out) / "packages"
+    if not args.offline:
+        _prompts.fetch_distributions(packages)
+    mix = _prompts.training_prompts(packages, code_prompts=args.code_prompts,
+                                    samples_per_request=args.samples_per_request, seed=args.seed)
+    evaluation = _prompts.evaluation_sets(packages)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prompts.json").write_text(json.dumps(mix))
+    (out / "eval_prompts.json").write_text(json.dumps(evaluation))
+    print(f"training prompts: {', '.join(f'{k} {len(v)}' for k, v in mix.items())}; evaluation: "
+          f"{', '.join(f'{k} {len(v)}' for k, v in evaluation.items())} -> {out}")
+    return 0
+
+
+def _train_data(args) -> int:
+    from weaver_jax._train_data import generate_dataset
+
+    bundle = weaver_jax.load(args.model, dtype=args.dtype)
+    prompts = json.loads(Path(args.prompts).read_text())
+    if args.limit:
+        prompts = {k: v[: args.limit] for k, v in prompts.items()}
+    out = generate_dataset(bundle, prompts, args.out, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens,
+                           max_new_tokens=args.max_new_tokens, sampled_copies=args.sampled_copies, seed=args.seed)
+    print(f"data -> {out}")
+    return 0
+
+
+def _mask_token_id(bundle) -> int:
+    """The highest-id control token that is neither BOS nor EOS (SmolLM2: 16, `<empty_output>`)."""
+    tok = bundle.tokenizer
+    if tok is None:
+        return bundle.config.vocab_size - 1
+    specials = [i for i, kind in enumerate(tok.spec["token_types"])
+                if kind == 3 and i not in (tok.bos_token_id, tok.eos_token_id)]
+    return max(specials) if specials else bundle.config.vocab_size - 1
+
+
+def _module_config(run_dir, kind: str, proposed):
+    """A training run keeps its module config in `run_dir/module.json`: a resumed run reuses it and
+    refuses flags that would change it."""
+    path = Path(run_dir) / "module.json"
+    if path.exists():
+        stored = json.loads(path.read_text())
+        fresh = json.loads(json.dumps(dataclasses.asdict(proposed)))
+        if stored != fresh:
+            changed = sorted(k for k in fresh if stored.get(k) != fresh[k])
+            raise ValueError(f"{run_dir} was started with another {kind} config (differs in {changed}); "
+                             "resume with the same flags or choose a new run directory")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(proposed), indent=1))
+    return proposed
+
+
+def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
+    from weaver_jax import _train
+    from weaver_jax._model import module_from_params, module_params
+    from weaver_jax._train_data import load_dataset
+    from weaver_jax.convert import checkpoint
+
+    data = load_dataset(args.data)
+    config = _train.TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors=args.anchors,
+                                learning_rate=args.lr, seed=args.seed, save_every=args.save_every)
+    module, info = _train.fit(module, loss_fn(config), data, config, args.run,
+                              max_seconds=args.max_minutes * 60 if args.max_minutes else None,
+                              desc=f"train-{kind}", frozen=frozen)
+    print(json.dumps({"kind": kind, **info}))
+    try:
+        _train.plot_log(args.run, Path(args.run) / "loss.png", tuple(k for k in info["last"] if k != "step"))
+    except ImportError:
+        print("matplotlib is not installed: no loss plot (the log is in log.jsonl)", file=sys.stderr)
+    if not info["finished"]:
+        print(f"stopped at step {info['step']} of {config.steps}: run the same command again to resume",
+              file=sys.stderr)
+    elif args.export:
+        cls, _ = checkpoint.KINDS[kind]
+        config = dataclasses.replace(module.config, dtype=args.export_dtype)
+        exported = module_from_params(lambda: cls(config, rngs=nnx.Rngs(0)), config.dtype, module_params(module))
+        checkpoint.save(args.export, exported)
+        print(f"{kind} -> {args.export}")
+    return 0
+
+
+def _train_drafter(args) -> int:
+    from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids
+    from weaver_jax._train import drafter_loss
+
+    bundle = weaver_jax.load(args.model, dtype="float32")
+    c = bundle.config
+    config = _module_config(args.run, "drafter", DrafterConfig(
+        target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+        target_layer_ids=default_target_layer_ids(c.num_layers, args.num_features), hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=args.layers, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=args.block_size,
+        mask_token_id=_mask_token_id(bundle) if args.mask_token_id is None else args.mask_token_id,
+        rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps, dtype="float32"))
+
+    def loss_fn(cfg):
+        return lambda d, target, batch, key: drafter_loss(d, target, batch, key, anchors=cfg.anchors, gamma=cfg.gamma)
+
+    return _fit_and_export(args, Drafter(config, rngs=nnx.Rngs(args.seed)), loss_fn, (bundle.target,), "drafter")
+
+
+def _train_adapter(args) -> int:
+    from weaver_jax._adapter import Adapter, AdapterConfig
+    from weaver_jax._train import adapter_loss
+
+    bundle = weaver_jax.load(args.model, dtype="float32", drafter=args.drafter)
+    c = bundle.config
+    config = _module_config(args.run, "adapter", AdapterConfig(
+        d_model=c.hidden_size, d_embed=c.hidden_size, d_rank=args.d_rank, num_layers=args.layers,
+        num_heads=args.heads, mlp_dim=args.mlp_dim, K=bundle.drafter.config.block_size - 1,
+        candidate_pool_size=args.pool_size, rope_base=args.rope_base, rms_norm_eps=c.rms_norm_eps, dtype="float32"))
+
+    def loss_fn(cfg):
+        return lambda a, target, drafter, batch, key: adapter_loss(
+            a, target, drafter, batch, key, anchors=cfg.anchors, gamma=cfg.gamma, pool_size=args.pool_size)
+
+    return _fit_and_export(args, Adapter(config, rngs=nnx.Rngs(args.seed)), loss_fn,
+                           (bundle.target, bundle.drafter), "adapter")
+
+
+def _training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    p.add_argument("data", help="directory written by `weaver-jax train-data`")
+    p.add_argument("run", help="run directory: checkpoints, log.jsonl, loss.png; resumed when it exists")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the target: name, .gguf, HF dir or checkpoint")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=250)
+    p.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this long")
+    p.add_argument("--export", help="when training finishes, write a weaver_jax checkpoint here")
+    p.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weaver-jax", description="Speculative decoding for JAX LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,10 +211,51 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     g.add_argument("--raw", action="store_true", help="encode the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("train-prompts", help="CPU: the training prompt mix and the evaluation prompt sets")
+    p.add_argument("out", help="directory for prompts.json and eval_prompts.json")
+    p.add_argument("--packages", help="where the prompt sets' distributions are (default OUT/packages)")
+    p.add_argument("--offline", action="store_true", help="do not download the distributions")
+    p.add_argument("--code-prompts", type=int, default=4000)
+    p.add_argument("--samples-per-request", type=int, default=8, help="self-written prompts per topic and kind")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("train-data", help="the target's own responses to the prompt mix (resumable)")
+    p.add_argument("prompts", help="prompts.json from train-prompts")
+    p.add_argument("out", help="output directory (part-*.npz, token ids only)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--sampled-copies", type=int, default=1, help="temperature-1 responses per prompt, besides the "
+                   "greedy one")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each kind (smoke tests)")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("train-drafter", help="train a block drafter on train-data output (resumable)")
+    _training_arguments(p, steps=4000)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-features", type=int, default=3, help="target layers read (DFlash's spacing rule)")
+    p.add_argument("--mask-token-id", type=int, default=None)
+
+    p = sub.add_parser("train-adapter", help="train a Weaver adapter with the drafter frozen (resumable)")
+    _training_arguments(p, steps=3000)
+    p.add_argument("--drafter", required=True, help="the drafter checkpoint (train-drafter --export)")
+    p.add_argument("--d-rank", type=int, default=192)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--mlp-dim", type=int, default=512)
+    p.add_argument("--pool-size", type=int, default=512)
+    p.add_argument("--rope-base", type=float, default=10_000.0)
+
     args = parser.parse_args(argv)
+    commands = {"generate": _generate, "train-prompts": _train_prompts, "train-data": _train_data,
+                "train-drafter": _train_drafter, "train-adapter": _train_adapter}
     try:
-        return _generate(args)
-    except (ValueError, FileNotFoundError, ImportError) as e:
+        return commands[args.command](args)
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

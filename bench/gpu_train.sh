@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Issue 5 on the GPU machine, as back-to-back device calls from the repository root. Files outside
+# the repository copy survive between calls only while the machine stays warm (~30 s, DESIGN 4), so
+# the target GGUF is staged in $STAGE in parts and every stage keeps its outputs there too (and
+# copies them to $OUT, so a cold machine can be re-seeded by carrying them back).
+#
+#   bash bench/gpu_train.sh stage                 # carry .stage/gguf/part-N (+ .whl): store, check, assemble
+#   bash bench/gpu_train.sh data                  # carry .stage/prompts: the target's own responses
+#   bash bench/gpu_train.sh drafter STEPS MINUTES
+#   bash bench/gpu_train.sh adapter STEPS MINUTES
+#   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures
+#   bash bench/gpu_train.sh speed 8               # B = 1 tokens/s over 8 prompts: ar, dflash, ddtree, weaver
+#
+# Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+STAGE=${WEAVER_STAGE:-$HOME/weaver_stage}
+OUT=${OUT:-$STAGE/out}
+GGUF=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
+SUMS=bench/smollm2_gguf.sha256
+mkdir -p "$STAGE" "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/gguf ]; then  # gguf is not on the GPU image
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+export JAX_COMPILATION_CACHE_DIR=$STAGE/jax_cache  # a resumed stage in a later call skips recompiling
+W="python3 -m weaver_jax.cli"
+minutes_left() {  # what remains of a 10-minute call, less a margin for export and packing
+  python3 -c "print(max(0.5, min($1, (555 - $SECONDS) / 60 - 0.6)))"
+}
+
+stage() {  # store the carried parts, say what has arrived and what is missing, assemble when complete
+  cp .stage/gguf/part-* "$STAGE/" 2>/dev/null
+  local missing=0
+  while read -r sum name; do
+    [ "$name" = "$(basename "$GGUF")" ] && continue
+    if [ ! -f "$STAGE/$name" ]; then echo "missing: $name (carry .stage/gguf/$name)"; missing=1
+    elif [ "$(sha256sum "$STAGE/$name" | cut -d' ' -f1)" != "$sum" ]; then echo "corrupt: $name"; rm -f "$STAGE/$name"; missing=1
+    else echo "have: $name"; fi
+  done < "$SUMS"
+  [ $missing = 1 ] && return 0
+  cat "$STAGE"/part-* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
+  if [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" = "$(grep "$(basename "$GGUF")" "$SUMS" | cut -d' ' -f1)" ]; then
+    echo "assembled: $GGUF"
+  else echo "assembled file has the wrong checksum"; rm -f "$GGUF"; return 1; fi
+}
+
+need_gguf() { [ -f "$GGUF" ] || { echo "the target is not staged: run 'stage' with both parts first"; exit 1; }; }
+
+pack() {  # pack a directory into $OUT in pieces under 15 MiB (the tool returns files of <= 16 MiB)
+  tar czf - -C "$(dirname "$2")" "$(basename "$2")" | split -b 15m -d -a 1 - "$OUT/$1.tgz."
+}
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    stage) stage || exit 1; shift ;;
+    data)
+      need_gguf
+      $W train-data .stage/prompts/prompts.json "$STAGE/data" --model "$GGUF" --batch 512 --sampled-copies 1 \
+        2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+      pack data "$STAGE/data"; shift ;;
+    drafter)
+      need_gguf
+      $W train-drafter "$STAGE/data" "$STAGE/runs/drafter" --model "$GGUF" --steps "$2" --max-minutes "$(minutes_left "$3")" \
+        --batch-size 32 --anchors 32 --save-every 500 --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+      tail -n 3 "$STAGE/runs/drafter/log.jsonl"
+      cp "$STAGE/runs/drafter/log.jsonl" "$OUT/drafter_log.jsonl"
+      [ -d "$STAGE/export/drafter" ] && pack drafter "$STAGE/export/drafter"
+      shift 3 ;;
+    adapter)
+      need_gguf
+      $W train-adapter "$STAGE/data" "$STAGE/runs/adapter" --model "$GGUF" --drafter "$STAGE/export/drafter" \
+        --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 --export "$STAGE/export/adapter" \
+        2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+      tail -n 3 "$STAGE/runs/adapter/log.jsonl"
+      cp "$STAGE/runs/adapter/log.jsonl" "$OUT/adapter_log.jsonl"
+      [ -d "$STAGE/export/adapter" ] && pack adapter "$STAGE/export/adapter"
+      shift 3 ;;
+    tau)  # tau TEMPERATURE...: no autotuning (compile time dominates; tau does not depend on kernel choice)
+      need_gguf
+      XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 bench/tau.py --model "$GGUF" \
+        --drafter "$STAGE/export/drafter" --adapter "$STAGE/export/adapter" --temperatures $2 \
+        --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -3
+      cp "$STAGE/tau.json" "$OUT/tau.json"
+      shift 2 ;;
+    speed)
+      need_gguf
+      python3 bench/tau.py --model "$GGUF" --drafter "$STAGE/export/drafter" --adapter "$STAGE/export/adapter" \
+        --eval-prompts .stage/prompts/eval_prompts.json --speed "$2" --json "$OUT/speed.json"
+      shift 2 ;;
+    probe)  # training step times at the SmolLM2 shape (random weights), to size the runs
+      python3 bench/train_probe.py --steps 12 --drafter-batches 32 --adapter-batches 16 --json "$OUT/train_probe.json" \
+        2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -4; shift ;;
+    tree) python3 bench/tree_build.py --json "$OUT/tree_build.json"; shift ;;
+    *) echo "unknown stage $1"; exit 2 ;;
+  esac
+done

@@ -1,0 +1,122 @@
+"""τ (tokens per target verification, bonus included) on held-out prompt sets, and speed.
+
+    python bench/tau.py --model SmolLM2.gguf --eval-prompts eval_prompts.json --json tau.json
+    python bench/tau.py --speed 8 --json speed.json        # B = 1 tokens/s: ar, dflash, ddtree-64, weaver-64
+
+The bundle is `weaver_jax.load(--model)` (for the named model: the shipped drafter and adapter;
+`--drafter` / `--adapter` override). Every prompt of every set (`weaver-jax train-prompts`'s
+eval_prompts.json: MT-Bench first turns, HumanEval, held-out AlpacaEval) goes through the chat
+template into one batch; each method and budget is one `generate` call at each temperature, and τ
+per set is pooled from the per-prompt counts. Configurations compile concurrently (threads) and
+results are appended to --json as they finish, so a rerun skips what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import weaver_jax as wj  # noqa: E402
+
+
+def configurations(budgets):
+    return [("dflash", None)] + [(m, b) for m in ("ddtree", "weaver") for b in budgets]
+
+
+def encode_sets(bundle, path: Path, limit: int):
+    sets = json.loads(path.read_text())
+    names, prompts = [], []
+    for name, items in sets.items():
+        for item in items[: limit or None]:
+            names.append(name)
+            prompts.append(bundle.tokenizer.apply_chat_template([{"role": "user", "content": item["text"]}]))
+    return np.array(names), prompts
+
+
+def run_tau(bundle, names, prompts, args, out_path: Path):
+    rows = json.loads(out_path.read_text()) if out_path.exists() else []
+    done = {(r["temperature"], r["method"], r["budget"]) for r in rows}
+    todo = [(t, m, b) for t in args.temperatures for m, b in configurations(args.budgets) if (t, m, b) not in done]
+
+    def one(config):
+        temperature, method, budget = config
+        options = {} if budget is None else {"budget": budget}
+        result = wj.generate(bundle, prompts, method=method, max_new_tokens=args.max_new_tokens,
+                             temperature=temperature, seed=args.seed, **options)
+        return config, result.stats
+
+    with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+        for (temperature, method, budget), stats in map(lambda f: f.result(), concurrent.futures.as_completed(
+                [pool.submit(one, c) for c in todo])):
+            ver = np.array(stats["sequence_verifications"])
+            acc = np.array(stats["sequence_accepted_tokens"])
+            for name in [*dict.fromkeys(names), "all"]:
+                sel = np.ones(len(names), bool) if name == "all" else names == name
+                rows.append(dict(set=name, temperature=temperature, method=method, budget=budget,
+                                 tau=float(acc[sel].sum() / max(ver[sel].sum(), 1)), prompts=int(sel.sum()),
+                                 verifications=int(ver[sel].sum()), compile_seconds=stats["compile_seconds"],
+                                 device=jax.devices()[0].device_kind, max_new_tokens=args.max_new_tokens))
+            print(json.dumps([r for r in rows[-4:]]), flush=True)
+            out_path.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def run_speed(bundle, prompts, args):
+    """Batch 1, temperature 0, one prompt at a time (the first --speed prompts), each config
+    compiled first; tokens/s over all of them, ratios to "ar" measured in the same run."""
+    rows = []
+    for method, budget in [("ar", None), ("dflash", None), ("ddtree", 64), ("weaver", 64)]:
+        options = {} if budget is None else {"budget": budget}
+        tokens = seconds = 0
+        taus = []
+        for p in prompts[: args.speed]:
+            r = wj.generate(bundle, [p], method=method, max_new_tokens=args.max_new_tokens, eos_token_id=[],
+                            **options)  # EOS off: every prompt runs max_new_tokens
+            tokens, seconds = tokens + r.stats["new_tokens"], seconds + r.stats["seconds"]
+            taus.append(r.stats.get("mean_accepted_length", 1.0))
+        rows.append(dict(method=method, budget=budget, tokens_per_second=tokens / seconds, tau=float(np.mean(taus)),
+                         prompts=args.speed, device=jax.devices()[0].device_kind))
+    for r in rows:
+        r["speedup_vs_ar"] = r["tokens_per_second"] / rows[0]["tokens_per_second"]
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--drafter")
+    parser.add_argument("--adapter")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"])
+    parser.add_argument("--eval-prompts", type=Path, default=Path(".stage/prompts/eval_prompts.json"))
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--limit", type=int, default=0, help="first N prompts of each set (smoke tests)")
+    parser.add_argument("--workers", type=int, default=4, help="configurations compiled at once")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speed", type=int, default=0, help="instead of tau: B = 1 tokens/s over N prompts")
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+    t0 = time.time()
+    bundle = wj.load(args.model, dtype=args.dtype, drafter=args.drafter, adapter=args.adapter)
+    if bundle.drafter is None or bundle.adapter is None:
+        raise SystemExit(f"{args.model}: no drafter/adapter (pass --drafter and --adapter)")
+    names, prompts = encode_sets(bundle, args.eval_prompts, args.limit)
+    if args.speed:
+        args.json.write_text(json.dumps(run_speed(bundle, prompts, args), indent=1))
+    else:
+        run_tau(bundle, names, prompts, args, args.json)
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Training the drafter (DESIGN 3.2) and the Weaver adapter (DESIGN 3.3) on self-distilled data.
+
+Both losses read the frozen target's hidden states of a batch of sequences, then sample up to
+`anchors` positions per sequence inside the response. Each anchor a opens a block `[x_a, MASK...]`
+that sees the context before a; the drafter is scored on `x_{a+1..a+b-1}` with cross-entropy
+weighted by `exp(-(k - 1) / gamma)`. The adapter, with the drafter frozen, walks the true
+continuation as a path (teacher forcing) and is scored, at every depth whose true token lies in
+the drafter's top-P pool, on the pool's cross-entropy, depth-decayed the same way.
+
+`fit` is the shared loop: optax AdamW with warmup and cosine decay and global-norm clipping, an
+orbax `CheckpointManager` (parameters, optimiser state and step; resumes from the latest), a
+deterministic batch order (a function of the step, so a resumed run sees the batches an
+uninterrupted one would), a progress bar, a JSON-lines loss log, and a time budget after which it
+checkpoints and returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+from weaver_jax._model import KVCache, rms_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 16  # sequences per step
+    anchors: int = 32  # per sequence (DESIGN: up to 512)
+    learning_rate: float = 6e-4
+    warmup: float = 0.04  # fraction of steps
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    gamma: float = 7.0  # depth decay of the loss weights (7 for blocks of 16)
+    seed: int = 0
+    save_every: int = 250
+    log_every: int = 10
+
+
+def sample_anchors(key: jax.Array, prompt_lengths: jax.Array, lengths: jax.Array, width: int, count: int):
+    """Up to `count` distinct anchors per sequence of `width` slots, uniform among the response
+    positions a with prompt_len <= a <= len - 2 (x_a and x_{a+1} exist).
+    -> anchors `[B, A]` (sorted), ok `[B, A]` (False for padding when a response is shorter)."""
+    b = lengths.shape[0]
+    pos = jnp.arange(width)[None, :]
+    allowed = (pos >= prompt_lengths[:, None]) & (pos <= lengths[:, None] - 2)
+    score = jnp.where(allowed, jax.random.uniform(key, (b, width)), -1.0)
+    top, anchors = jax.lax.top_k(score, count)
+    order = jnp.argsort(anchors, axis=1)
+    return jnp.take_along_axis(anchors, order, 1).astype(jnp.int32), jnp.take_along_axis(top >= 0, order, 1)
+
+
+def _target_hidden(target, tokens: jax.Array, layers: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """The frozen target's outputs of `layers` at every position of `tokens [B, T]` (-1 padded)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    out = target(jnp.maximum(tokens, 0), positions, KVCache.init(target.config, b, t),
+                 logits_rows=jnp.zeros((b, 1), jnp.int32), hidden_layers=layers)
+    return jax.lax.stop_gradient(out.hidden)
+
+
+def _block_labels(tokens, lengths, anchors, ok, size: int):
+    """Labels `x_{a+1..a+size}` `[B, A, size]` and whether each exists."""
+    idx = anchors[:, :, None] + 1 + jnp.arange(size)
+    valid = ok[:, :, None] & (idx < lengths[:, None, None])
+    labels = jnp.take_along_axis(tokens, jnp.minimum(idx, tokens.shape[1] - 1).reshape(tokens.shape[0], -1), axis=1)
+    return jnp.maximum(labels.reshape(idx.shape), 0), valid
+
+
+def _decay(size: int, gamma: float) -> jax.Array:
+    return jnp.exp(-jnp.arange(size) / gamma)
+
+
+def _drafter_blocks(target, drafter, batch, key, anchors: int):
+    """Shared by both losses: -> (drafter states `[B, A, b-1, D]`, anchors, ok, labels, valid, hidden)."""
+    tokens, prompt_lengths, lengths = batch["tokens"], batch["prompt_lengths"], batch["lengths"]
+    layer_ids = tuple(drafter.config.target_layer_ids)
+    final = target.config.num_layers - 1
+    hidden = _target_hidden(target, tokens, layer_ids + (final,))
+    anchor_pos, ok = sample_anchors(key, prompt_lengths, lengths, tokens.shape[1], anchors)
+    features = drafter.context_features(hidden[: len(layer_ids)])
+    states = drafter.train_states(target.embed[...], jnp.maximum(tokens, 0), features, anchor_pos)[:, :, 1:]
+    labels, valid = _block_labels(tokens, lengths, anchor_pos, ok, drafter.config.block_size - 1)
+    return states, anchor_pos, ok, labels, valid, hidden[-1]
+
+
+def drafter_loss(drafter, target, batch: dict, key: jax.Array, *, anchors: int, gamma: float):
+    """DESIGN 3.2's loss. batch: tokens `[B, T]` (-1 padded), prompt_lengths, lengths `[B]`.
+    -> (loss, metrics: accuracy of the first block position, weighted accuracy)."""
+    states, _, _, labels, valid, _ = _drafter_blocks(target, drafter, batch, key, anchors)
+    logits = target.head(states)  # [B, A, b-1, V] float32
+    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    weights = valid * _decay(labels.shape[-1], gamma)
+    loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    hit = jnp.argmax(logits, -1) == labels
+    return loss, {"acc_1": jnp.sum(hit[..., 0] & valid[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1),
+                  "acc": jnp.sum(hit * valid) / jnp.maximum(jnp.sum(valid), 1)}
+
+
+def adapter_loss(adapter, target, drafter, batch: dict, key: jax.Array, *, anchors: int, gamma: float,
+                 pool_size: int):
+    """DESIGN 3.3's loss, drafter frozen: along the true continuation of each anchor, the pool
+    cross-entropy of `drafter_logits[pool] + residual` at every depth whose true token is in the
+    pool. -> (loss, metrics: top-1 accuracy in the pool with and without the residual)."""
+    states, anchor_pos, ok, labels, valid, final_hidden = _drafter_blocks(target, drafter, batch, key, anchors)
+    states = jax.lax.stop_gradient(states)
+    k = min(adapter.config.K, states.shape[2])
+    states, labels, valid = states[:, :, :k], labels[:, :, :k], valid[:, :, :k]
+    b, a = anchor_pos.shape
+    marginals = target.head(states)  # [B, A, K, V]
+    pool_logits, pool_ids = jax.lax.top_k(marginals, pool_size)  # [B, A, K, P]
+    root_hidden = jnp.take_along_axis(final_hidden, jnp.maximum(anchor_pos - 1, 0)[:, :, None], axis=1)
+    root_state = rms_norm(root_hidden, target.final_norm[...], target.config.rms_norm_eps)  # [B, A, D]
+    tokens = jnp.maximum(batch["tokens"], 0)
+    path = jnp.concatenate([jnp.take_along_axis(tokens, anchor_pos, 1)[:, :, None], labels[:, :, : k - 1]], axis=2)
+    tables = adapter.tables(target)
+    r = b * a
+    u = adapter.teacher_forced(tables, root_state.reshape(r, -1), states.reshape(r, k, -1), path.reshape(r, k))
+    residual_all = jnp.einsum("rkd,vd->rkv", u, tables.candidate, preferred_element_type=jnp.float32)
+    residual = jnp.take_along_axis(residual_all, pool_ids.reshape(r, k, -1), axis=2).reshape(pool_ids.shape)
+    scores = pool_logits + residual
+    match = pool_ids == labels[..., None]
+    in_pool = jnp.any(match, -1) & valid
+    target_idx = jnp.argmax(match, -1)
+    pick = lambda x: jnp.take_along_axis(x, target_idx[..., None], -1)[..., 0]  # noqa: E731
+    ce = jax.nn.logsumexp(scores, -1) - pick(scores)
+    weights = in_pool * _decay(k, gamma)
+    loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    count = jnp.maximum(jnp.sum(in_pool), 1)
+    return loss, {"acc": jnp.sum((jnp.argmax(scores, -1) == target_idx) & in_pool) / count,
+                  "acc_drafter": jnp.sum((target_idx == 0) & in_pool) / count,
+                  "in_pool": jnp.sum(in_pool) / jnp.maximum(jnp.sum(valid), 1)}
+
+
+def _global_norm(tree) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def _optimizer(config: TrainConfig):
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, max(1, int(config.warmup * config.steps)), max(config.steps, 2),
+        end_value=0.1 * config.learning_rate)
+    return optax.chain(optax.clip_by_global_norm(config.clip),
+                       optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
+    """The sequences of step `step`: epochs are fresh permutations of `range(n)` from `seed`."""
+    start = step * batch_size
+    out = []
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), n)
+        perm = np.random.default_rng([seed, epoch]).permutation(n)
+        out.extend(perm[offset : offset + batch_size - len(out)].tolist())
+    return np.asarray(out)
+
+
+def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, checkpoint_dir: str | Path, *,
+        max_seconds: float | None = None, desc: str = "train", frozen: tuple = ()) -> tuple[nnx.Module, dict]:
+    """Train `module` (its nnx.Param leaves) to minimise `loss_fn(module, *frozen, batch, key)`
+    -> (loss, metrics). Resumes from the latest checkpoint in `checkpoint_dir`.
+    data: arrays with a leading sequence axis (`_train_data.load_dataset`). Returns the module
+    and {"step", "finished", "last": the last logged metrics}."""
+    import orbax.checkpoint as ocp
+
+    checkpoint_dir = Path(checkpoint_dir).absolute()
+    graphdef, params = nnx.split(module, nnx.Param)
+    optimizer = _optimizer(config)
+    state = {"params": params, "opt_state": optimizer.init(params)}
+    manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    start = manager.latest_step() or 0
+    if start:
+        state = manager.restore(start, args=ocp.args.StandardRestore(state))
+    log_path = checkpoint_dir / "log.jsonl"
+    kept = [line for line in (log_path.read_text().splitlines() if log_path.exists() else [])
+            if json.loads(line)["step"] <= start]
+    log_path.write_text("".join(line + "\n" for line in kept))
+    n = len(data["lengths"])
+
+    frozen = tuple(nnx.split(m) for m in frozen)
+
+    @jax.jit
+    def train_step(state, frozen, batch, step):
+        def loss(p):
+            key = jax.random.fold_in(jax.random.key(config.seed), step)
+            return loss_fn(nnx.merge(graphdef, p), *(nnx.merge(*f) for f in frozen), batch, key)
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state},
+                {"loss": value, "grad_norm": _global_norm(grads), **metrics})
+
+    began, last, step = time.monotonic(), {}, start
+    with tqdm(total=config.steps, initial=start, desc=desc) as bar, open(log_path, "a") as log:
+        while step < config.steps:
+            idx = batch_indices(n, step, config.batch_size, config.seed)
+            batch = {k: jnp.asarray(data[k][idx]) for k in ("tokens", "prompt_lengths", "lengths")}
+            state, metrics = train_step(state, frozen, batch, jnp.int32(step))
+            step += 1
+            bar.update(1)
+            if step % config.log_every == 0 or step == config.steps:
+                last = {"step": step, **{k: float(v) for k, v in metrics.items()},
+                        "seconds": time.monotonic() - began}
+                if not np.isfinite(last["loss"]):
+                    raise FloatingPointError(f"{desc}: loss is {last['loss']} at step {step}; checkpoint kept at "
+                                             f"step {manager.latest_step()}")
+                log.write(json.dumps(last) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{last['loss']:.3f}")
+            out_of_time = max_seconds is not None and time.monotonic() - began > max_seconds
+            if step % config.save_every == 0 or step == config.steps or out_of_time:
+                manager.save(step, args=ocp.args.StandardSave(state))
+            if out_of_time:
+                break
+    manager.wait_until_finished()
+    manager.close()
+    return nnx.merge(graphdef, state["params"]), {"step": step, "finished": step >= config.steps, "last": last}
+
+
+def read_log(checkpoint_dir: str | Path) -> list[dict]:
+    path = Path(checkpoint_dir) / "log.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def plot_log(checkpoint_dir: str | Path, out: str | Path, keys: tuple[str, ...] = ("loss",)) -> Path:
+    """Loss curves of a training run as a PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_log(checkpoint_dir)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    fig.suptitle(Path(checkpoint_dir).name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)
