@@ -17,13 +17,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
 from weaver_jax._adapter import Adapter, AdapterConfig
 from weaver_jax._config import ModelConfig
 from weaver_jax._drafter import Drafter, DrafterConfig
-from weaver_jax._model import Transformer, module_from_params, module_params
+from weaver_jax._model import Transformer, flatten_params, module_from_params, module_params
 from weaver_jax._tokenizer import Tokenizer
 
 KINDS = {"target": (Transformer, ModelConfig), "drafter": (Drafter, DrafterConfig), "adapter": (Adapter, AdapterConfig)}
@@ -85,10 +86,18 @@ def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Draf
         config = DrafterConfig(**{**fields, "target_layer_ids": tuple(fields["target_layer_ids"])})
     else:
         config = AdapterConfig(**fields)
+    stored = config
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
+    # Restore onto this process's device: a checkpoint written on a GPU machine then loads on CPU.
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device) for name, leaf in flatten_params(
+        nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: cls(stored, rngs=nnx.Rngs(0)))))).items()}
     with ocp.StandardCheckpointer() as checkpointer:
-        params = checkpointer.restore(path / "params")
+        try:
+            params = checkpointer.restore(path / "params", abstract)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{path}: the stored parameters do not match its {meta['kind']} config: {e}") from e
     module = module_from_params(lambda: cls(config, rngs=nnx.Rngs(0)), config.dtype,
                                 {k: np.asarray(v) for k, v in params.items()})
     tokenizer_file = path / "tokenizer.json"

@@ -148,6 +148,20 @@ def test_smollm2_greedy_answer(smollm2):
     assert math.isfinite(out.stats["tokens_per_second"]) and out.stats["tokens_per_second"] > 0
 
 
+def test_smollm2_ships_a_trained_drafter_and_adapter(smollm2):
+    """`load` fills .drafter and .adapter from the shipped checkpoints (written on a GPU machine,
+    restored here on CPU); every method emits the plain decoding's tokens, and the trained parts
+    get paths accepted (a random drafter's tau is ~1)."""
+    assert smollm2.drafter.config.block_size == 16 and smollm2.drafter.config.target_layer_ids == (1, 14, 27)
+    assert smollm2.adapter.config.K == 15 and smollm2.adapter.config.d_model == 576
+    ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colors."}])
+    plain = weaver_jax.generate(smollm2, [ids], max_new_tokens=24)
+    for method, options in (("dflash", {}), ("weaver", {"budget": 16})):
+        out = weaver_jax.generate(smollm2, [ids], method=method, max_new_tokens=24, **options)
+        assert out.tokens == plain.tokens, method
+        assert out.stats["mean_accepted_length"] > 1.2, (method, out.stats["mean_accepted_length"])
+
+
 def test_converted_weights_are_cached_on_disk(tmp_path, monkeypatch):
     """The second load of a GGUF reads the converted weights instead of dequantizing again."""
     monkeypatch.setenv("WEAVER_JAX_CACHE", str(tmp_path / "cache"))

@@ -200,11 +200,10 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
         return rms_norm(h, target.final_norm[...], target.config.rms_norm_eps)
 
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    out = target(prompts, positions, cache, hidden_layers=hidden_ids)
+    out = target(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None], hidden_layers=hidden_ids)
     drafter_cache = drafter.commit(drafter_cache, out.hidden[: len(layer_ids)], positions, prompt_lengths)
     cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
-    last = jnp.take_along_axis(out.logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    first = select(last, keys, jnp.int32(0), sampling)
+    first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
     count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), max_new_tokens))
     state = SpecState(
         rounds=jnp.int32(0), root=first,

