@@ -5,10 +5,12 @@
 # copies them to $OUT, so a cold machine can be re-seeded by carrying them back).
 #
 #   bash bench/gpu_train.sh stage                 # carry .stage/gguf/part-N (+ .whl): store, check, assemble
+#                                                 # (parts: `split -n 3 -d -a 1 SmolLM2...gguf .stage/gguf/part-`)
 #   bash bench/gpu_train.sh data                  # carry .stage/prompts: the target's own responses
 #   bash bench/gpu_train.sh drafter STEPS MINUTES
 #   bash bench/gpu_train.sh adapter STEPS MINUTES
-#   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures
+#   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures (~70 s per
+#                                                 # method and budget: a call finishes ~7; rerun to continue)
 #   bash bench/gpu_train.sh speed 8               # B = 1 tokens/s over 8 prompts: ar, dflash, ddtree, weaver
 #
 # Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`.
@@ -23,6 +25,9 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/gguf ]; then  # gguf is not
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD
+# convert/ and pallas_kernels/ install as weaver_jax.convert / .pallas_kernels; without an install,
+# links in this (throw-away) copy of the repository give the same import paths.
+for sub in convert pallas_kernels; do [ -e weaver_jax/$sub ] || ln -s ../$sub weaver_jax/$sub; done
 export JAX_COMPILATION_CACHE_DIR=$STAGE/jax_cache  # a resumed stage in a later call skips recompiling
 W="python3 -m weaver_jax.cli"
 minutes_left() {  # what remains of a 10-minute call, less a margin for export and packing
@@ -45,7 +50,7 @@ stage() {  # store the carried parts, say what has arrived and what is missing, 
   else echo "assembled file has the wrong checksum"; rm -f "$GGUF"; return 1; fi
 }
 
-need_gguf() { [ -f "$GGUF" ] || { echo "the target is not staged: run 'stage' with both parts first"; exit 1; }; }
+need_gguf() { [ -f "$GGUF" ] || { echo "the target is not staged: run 'stage' with all parts first"; exit 1; }; }
 
 pack() {  # pack a directory into $OUT in pieces under 15 MiB (the tool returns files of <= 16 MiB)
   tar czf - -C "$(dirname "$2")" "$(basename "$2")" | split -b 15m -d -a 1 - "$OUT/$1.tgz."
