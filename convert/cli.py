@@ -2,12 +2,16 @@
 
     weaver-convert target SRC DST [--dtype bfloat16|float32]
     weaver-convert drafter SRC DST [--dtype ...] [--target-layers N]
+    weaver-convert adapter SRC.pt DST [--dtype ...]
 
-target: SRC is a Hugging Face directory (config.json + model.safetensors or a sharded index;
-Llama 3.x, SmolLM2, Qwen2.5, Qwen3) or a GGUF file (llama, qwen2); `weaver_jax.load(DST)` reads it.
+target: SRC is a Hugging Face directory (config.json + model.safetensors, a sharded index, or
+pytorch_model.bin / .pth read weights-only; Llama 3.x, SmolLM2, Qwen2.5, Qwen3) or a GGUF file
+(llama, qwen2); `weaver_jax.load(DST)` reads it.
 drafter: SRC is a DFlash drafter directory (published z-lab layout); `weaver_jax.load(TARGET,
 drafter=DST)` reads it. `--target-layers` gives the target's layer count when the drafter's config
 has no target_layer_ids (DFlash's default rule then applies).
+adapter: SRC is a published Weaver adapter file (torch.save of {config, state_dict});
+`weaver_jax.load(TARGET, drafter=..., adapter=DST)` reads it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,18 @@ def convert_drafter(src: Path, dst: Path, dtype: str, target_layers: int | None)
             f"{sum(int(x.size) for x in _leaves(drafter)) / 1e6:.1f}M parameters in {dtype}")
 
 
+def convert_adapter(src: Path, dst: Path, dtype: str) -> str:
+    from weaver_jax.convert import checkpoint, weaver
+
+    checkpoint.require_new(dst)  # before any work
+    adapter = weaver.load_published_adapter(src, dtype)
+    checkpoint.save(dst, adapter)
+    c = adapter.config
+    return (f"{src} -> {dst}: Weaver adapter, {c.num_layers} layers, width {c.d_rank}, K {c.K}, pool "
+            f"{c.candidate_pool_size}, for targets of width {c.d_model}, "
+            f"{sum(int(x.size) for x in _leaves(adapter)) / 1e6:.2f}M parameters in {dtype}")
+
+
 def _leaves(target):
     import jax
     from flax import nnx
@@ -71,10 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("dst", type=Path)
     d.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     d.add_argument("--target-layers", type=int, default=None)
+    a = sub.add_parser("adapter", help="a published Weaver adapter file")
+    a.add_argument("src", type=Path)
+    a.add_argument("dst", type=Path)
+    a.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args(argv)
     try:
         if args.kind == "target":
             print(convert_target(args.src, args.dst, args.dtype))
+        elif args.kind == "adapter":
+            print(convert_adapter(args.src, args.dst, args.dtype))
         else:
             print(convert_drafter(args.src, args.dst, args.dtype, args.target_layers))
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:

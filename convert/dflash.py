@@ -16,7 +16,7 @@ from flax import nnx
 
 from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids
 from weaver_jax._model import module_from_params
-from weaver_jax.convert.hf import block_params, check_all_used, read_safetensors, tensor_getter
+from weaver_jax.convert.hf import block_params, check_all_used, read_weights, tensor_getter
 
 
 def drafter_config_from_hf(cfg: Mapping, dtype: str = "float32", num_target_layers: int | None = None) -> DrafterConfig:
@@ -58,4 +58,4 @@ def load_dflash_drafter(directory: str | Path, dtype: str = "float32", progress:
     if not (directory / "config.json").exists():
         raise FileNotFoundError(f"{directory} has no config.json: not a DFlash drafter directory")
     config = drafter_config_from_hf(json.loads((directory / "config.json").read_text()), dtype, num_target_layers)
-    return drafter_from_params(config, drafter_params_from_hf(config, read_safetensors(directory, progress)))
+    return drafter_from_params(config, drafter_params_from_hf(config, read_weights(directory, progress)))

@@ -117,10 +117,43 @@ def read_safetensors(directory: Path, progress: bool = False) -> dict[str, np.nd
     return tensors
 
 
+def read_torch_weights(directory: Path, progress: bool = False) -> dict[str, np.ndarray]:
+    """All tensors of `pytorch_model.bin`, a sharded `pytorch_model.bin.index.json`, or the one
+    `.pth` / `.pt` file of a directory, as float32 (weights-only loading, see torch_pickle)."""
+    from tqdm import tqdm
+
+    from weaver_jax.convert import torch_pickle
+
+    index = directory / "pytorch_model.bin.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "pytorch_model.bin").exists():
+        files = ["pytorch_model.bin"]
+    else:
+        files = sorted(p.name for p in directory.iterdir() if p.suffix in (".pth", ".pt"))
+        if len(files) != 1:
+            raise FileNotFoundError(f"{directory} holds no model.safetensors, pytorch_model.bin or single .pth file")
+    tensors = {}
+    for f in tqdm(files, desc="shards", unit="file", disable=not progress or len(files) == 1):
+        state = torch_pickle.load(directory / f)
+        state = state.get("state_dict", state) if isinstance(state, dict) else state
+        if not isinstance(state, dict):
+            raise ValueError(f"{directory / f} does not hold a state dict (got {type(state).__name__})")
+        tensors.update({k: np.asarray(v, np.float32) for k, v in state.items()})
+    return tensors
+
+
+def read_weights(directory: Path, progress: bool = False) -> dict[str, np.ndarray]:
+    """A Hugging Face directory's tensors: safetensors when present, else PyTorch pickles."""
+    if (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists():
+        return read_safetensors(directory, progress)
+    return read_torch_weights(directory, progress)
+
+
 def load_hf_target(directory: str | Path, dtype: str = "float32", progress: bool = False) -> Transformer:
     directory = Path(directory)
     if not (directory / "config.json").exists():
         raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory")
     config = config_from_hf(json.loads((directory / "config.json").read_text()), dtype)
-    tensors = read_safetensors(directory, progress)
+    tensors = read_weights(directory, progress)
     return target_from_params(config, target_params_from_hf(config, tensors))

@@ -8,10 +8,12 @@ depth t + 1: `drafter_logits[pool] + candidate_table[pool] . u`, normalised over
 The adapter never projects to the vocabulary: both tables are `[V, d]` lookups computed once per
 generation call, and a node step touches P rows of them.
 
-Blocks reuse the target's pre-norm block (causal self-attention with RoPE, SwiGLU). Input and
-output maps follow the published checkpoint layout: `embed_norm` + `token_in` (with bias) for
-tokens, `output_norm` + `proposal_in` (with bias) for target/drafter states, `out_norm` +
-`query` (W_q: d -> D, no bias) for the residual. The root is expanded by an explicit node step, as
+Blocks reuse the target's pre-norm block (causal self-attention with RoPE, SwiGLU) with the
+published checkpoint layout's extras: every RMSNorm has a bias (`y * weight + bias`), the MLP's
+gate/up and down projections have biases, qkv and out do not. Input and output maps follow the same
+layout: `embed_norm` + `token_in` (with bias) for tokens, `output_norm` + `proposal_in` (with bias)
+for target/drafter states, `out_norm` + `query` (the published `lm_head_query_in`, W_q: d -> D, no
+bias) for the residual. The root is expanded by an explicit node step, as
 in Mirai's JAX port of the published implementation.
 """
 
@@ -73,19 +75,24 @@ class Adapter(nnx.Module):
         self.config = config
         c, dt = config, jnp.dtype(config.dtype)
         self.embed_norm = nnx.Param(jnp.ones((c.d_embed,), dt))
+        self.embed_norm_bias = nnx.Param(jnp.zeros((c.d_embed,), dt))
         self.token_in = _param(rngs, (c.d_embed, c.d_rank), dt, c.d_embed)
         self.token_in_bias = nnx.Param(jnp.zeros((c.d_rank,), dt))
         self.output_norm = nnx.Param(jnp.ones((c.d_model,), dt))
+        self.output_norm_bias = nnx.Param(jnp.zeros((c.d_model,), dt))
         self.proposal_in = _param(rngs, (c.d_model, c.d_rank), dt, c.d_model)
         self.proposal_in_bias = nnx.Param(jnp.zeros((c.d_rank,), dt))
-        self.layers = nnx.List([Block(c.block_config, rngs=rngs) for _ in range(c.num_layers)])
+        self.layers = nnx.List([Block(c.block_config, rngs=rngs, norm_bias=True, mlp_bias=True)
+                                for _ in range(c.num_layers)])
         self.out_norm = nnx.Param(jnp.ones((c.d_rank,), dt))
+        self.out_norm_bias = nnx.Param(jnp.zeros((c.d_rank,), dt))
         self.query = _param(rngs, (c.d_rank, c.d_model), dt, c.d_rank)
 
     def tables(self, target) -> Tables:
         """The two `[V, d]` tables, from the target's frozen embedding and LM head (once per call)."""
         eps = self.config.rms_norm_eps
-        token = rms_norm(target.embed[...], self.embed_norm[...], eps) @ self.token_in[...] + self.token_in_bias[...]
+        token = rms_norm(target.embed[...], self.embed_norm[...], eps, self.embed_norm_bias[...]) @ self.token_in[...]
+        token = token + self.token_in_bias[...]
         head = target.embed[...] if target.lm_head is None else target.lm_head[...].T  # [V, D]
         return Tables(token, head @ self.query[...].T)
 
@@ -102,8 +109,8 @@ class Adapter(nnx.Module):
 
     def _prefix_inputs(self, root_state: jax.Array, drafter_states: jax.Array) -> jax.Array:
         x = jnp.concatenate([root_state[:, None], drafter_states], axis=1)
-        x = rms_norm(x, self.output_norm[...], self.config.rms_norm_eps) @ self.proposal_in[...]
-        return x + self.proposal_in_bias[...]
+        x = rms_norm(x, self.output_norm[...], self.config.rms_norm_eps, self.output_norm_bias[...])
+        return x @ self.proposal_in[...] + self.proposal_in_bias[...]
 
     def teacher_forced(self, tables: Tables, root_state: jax.Array, drafter_states: jax.Array,
                        path: jax.Array) -> jax.Array:
@@ -121,7 +128,7 @@ class Adapter(nnx.Module):
         attend = jnp.broadcast_to(jnp.concatenate([prefix_rows, node_rows]), (r, 2 * k + 1, 2 * k + 1))
         cache = KVCache.init(self.config.block_config, r, 2 * k + 1)
         h, _, _ = run_blocks(self.layers, x, positions, rope_frequencies(self.config.block_config), cache, attend)
-        return rms_norm(h[:, k + 1 :], self.out_norm[...], self.config.rms_norm_eps)
+        return self._out(h[:, k + 1 :])
 
     def node_states(self, tables: Tables, cache: KVCache, tokens, depth, slot0, visible) -> tuple[jax.Array, KVCache]:
         """Node steps for w nodes per sequence: tokens, depth `[B, w]`; their K/V go to slots
@@ -129,7 +136,10 @@ class Adapter(nnx.Module):
         x = jnp.take(tables.token, tokens, axis=0)
         h, _, cache = run_blocks(self.layers, x, depth + 1, rope_frequencies(self.config.block_config),
                                  cache.with_lengths(slot0), None, mask=visible)
-        return rms_norm(h, self.out_norm[...], self.config.rms_norm_eps), cache
+        return self._out(h), cache
+
+    def _out(self, h: jax.Array) -> jax.Array:
+        return rms_norm(h, self.out_norm[...], self.config.rms_norm_eps, self.out_norm_bias[...])
 
 
 class WeaverState(NamedTuple):

@@ -92,7 +92,8 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: 
     """Load a named model (`"smollm2-135m-instruct"`), a checkpoint written by `weaver-convert`, a
     `.gguf` file, or a Hugging Face directory; with `drafter` / `adapter`, also a drafter (a
     `weaver-convert drafter` checkpoint, a DFlash directory, or a trained one) and a Weaver adapter
-    checkpoint, each checked against the target. A named model comes with the drafter and adapter
+    (a checkpoint, or a published `{config, state_dict}` torch file), checked together for
+    consistency (vocabulary, widths, target layer ids, depth, pool). A named model comes with the drafter and adapter
     shipped for it unless others are given.
 
     dtype: parameter dtype, "float32" or "bfloat16"; default: a checkpoint's own, else float32 on
@@ -108,7 +109,25 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: 
         bundle.drafter = _load_part(Path(drafter), "drafter", part_dtype, bundle.config)
     if adapter is not None:
         bundle.adapter = _load_part(Path(adapter), "adapter", part_dtype, bundle.config)
+    check_bundle(bundle)
     return bundle
+
+
+def check_bundle(bundle: Bundle) -> None:
+    """Target, drafter and adapter belong together: vocabulary, widths, layer ids, depth, pool."""
+    target = bundle.config
+    if bundle.drafter is not None:
+        bundle.drafter.config.check_target(target)
+    if bundle.adapter is not None:
+        a = bundle.adapter.config
+        a.check_target(target)
+        if a.candidate_pool_size > target.vocab_size:
+            raise ValueError(f"adapter pool of {a.candidate_pool_size} exceeds the target's vocabulary of "
+                             f"{target.vocab_size}")
+        block = bundle.drafter.config.block_size if bundle.drafter is not None else None
+        if block is not None and a.K > block - 1:
+            raise ValueError(f"adapter was built for depth K={a.K}, but the drafter proposes only {block - 1} "
+                             f"positions (block {block})")
 
 
 # Drafters and adapters trained for the named models (issue 5), in the project's checkpoint format.
@@ -120,8 +139,12 @@ def _if_exists(path: Path) -> Path | None:
 
 
 def _load_part(path: Path, kind: str, dtype: str, target: ModelConfig):
-    from weaver_jax.convert import checkpoint, dflash
+    from weaver_jax.convert import checkpoint, dflash, weaver
 
+    if kind == "adapter" and path.is_file():  # a published Weaver file, converted on the fly
+        module = weaver.load_published_adapter(path, dtype)
+        module.config.check_target(target)
+        return module
     if not path.is_dir():
         raise FileNotFoundError(f"{kind} {path} is not a directory")
     if checkpoint.is_checkpoint(path):

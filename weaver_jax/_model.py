@@ -85,10 +85,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, bias: jax.Array | None = None) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
+    return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def visibility_mask(lengths: jax.Array, attend: jax.Array, cache_size: int) -> jax.Array:
@@ -160,30 +160,49 @@ class Attention(nnx.Module):
         return o.astype(x.dtype).reshape(b, t, h * d) @ self.out[...], k_cache, v_cache
 
 
+def _bias(shape, dtype, present: bool) -> nnx.Param | None:
+    return nnx.Param(jnp.zeros(shape, dtype)) if present else None
+
+
+def _value(param: nnx.Param | None):
+    return None if param is None else param[...]
+
+
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, bias: bool = False):
         c, dt = config, config.jnp_dtype
         self.gate_up = _param(rngs, (c.hidden_size, 2 * c.intermediate_size), dt, c.hidden_size)
+        self.gate_up_bias = _bias((2 * c.intermediate_size,), dt, bias)
         self.down = _param(rngs, (c.intermediate_size, c.hidden_size), dt, c.intermediate_size)
+        self.down_bias = _bias((c.hidden_size,), dt, bias)
 
     def __call__(self, x):
-        gate, up = jnp.split(x @ self.gate_up[...], 2, axis=-1)
-        return (jax.nn.silu(gate) * up) @ self.down[...]
+        h = x @ self.gate_up[...]
+        gate, up = jnp.split(h if self.gate_up_bias is None else h + self.gate_up_bias[...], 2, axis=-1)
+        y = (jax.nn.silu(gate) * up) @ self.down[...]
+        return y if self.down_bias is None else y + self.down_bias[...]
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    """Pre-norm block. The targets use neither flag; the Weaver adapter's published layout has
+    biases on its RMSNorms and its MLP."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, norm_bias: bool = False, mlp_bias: bool = False):
+        dt = config.jnp_dtype
         self.eps = config.rms_norm_eps
-        self.attn_norm = nnx.Param(jnp.ones((config.hidden_size,), config.jnp_dtype))
+        self.attn_norm = nnx.Param(jnp.ones((config.hidden_size,), dt))
+        self.attn_norm_bias = _bias((config.hidden_size,), dt, norm_bias)
         self.attn = Attention(config, rngs=rngs)
-        self.mlp_norm = nnx.Param(jnp.ones((config.hidden_size,), config.jnp_dtype))
-        self.mlp = MLP(config, rngs=rngs)
+        self.mlp_norm = nnx.Param(jnp.ones((config.hidden_size,), dt))
+        self.mlp_norm_bias = _bias((config.hidden_size,), dt, norm_bias)
+        self.mlp = MLP(config, rngs=rngs, bias=mlp_bias)
 
     def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
-        a, k_cache, v_cache = self.attn(rms_norm(x, self.attn_norm[...], self.eps), positions,
-                                        inv_freq, k_cache, v_cache, lengths, mask)
+        a, k_cache, v_cache = self.attn(rms_norm(x, self.attn_norm[...], self.eps, _value(self.attn_norm_bias)),
+                                        positions, inv_freq, k_cache, v_cache, lengths, mask)
         x = x + a
-        return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), k_cache, v_cache
+        return (x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps, _value(self.mlp_norm_bias))),
+                k_cache, v_cache)
 
 
 class Transformer(nnx.Module):
