@@ -59,7 +59,7 @@ def convert_adapter(src: Path, dst: Path, dtype: str) -> str:
     from weaver_jax.convert import checkpoint, weaver
 
     checkpoint.require_new(dst)  # before any work
-    adapter = weaver.load_published_adapter(src, dtype)
+    adapter = weaver.load_published_adapter(src, dtype, progress=True)
     checkpoint.save(dst, adapter)
     c = adapter.config
     return (f"{src} -> {dst}: Weaver adapter, {c.num_layers} layers, width {c.d_rank}, K {c.K}, pool "

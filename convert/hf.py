@@ -134,12 +134,13 @@ def read_torch_weights(directory: Path, progress: bool = False) -> dict[str, np.
         if len(files) != 1:
             raise FileNotFoundError(f"{directory} holds no model.safetensors, pytorch_model.bin or single .pth file")
     tensors = {}
-    for f in tqdm(files, desc="shards", unit="file", disable=not progress or len(files) == 1):
+    for f in files:
         state = torch_pickle.load(directory / f)
         state = state.get("state_dict", state) if isinstance(state, dict) else state
         if not isinstance(state, dict):
             raise ValueError(f"{directory / f} does not hold a state dict (got {type(state).__name__})")
-        tensors.update({k: np.asarray(v, np.float32) for k, v in state.items()})
+        for name in tqdm(list(state), desc=f, unit="tensor", disable=not progress):
+            tensors[name] = np.asarray(state[name], np.float32)
     return tensors
 
 

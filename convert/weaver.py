@@ -68,8 +68,10 @@ def adapter_params_from_published(config: AdapterConfig, tensors: Mapping[str, n
     return out
 
 
-def load_published_adapter(path: str | Path, dtype: str = "float32") -> Adapter:
+def load_published_adapter(path: str | Path, dtype: str = "float32", progress: bool = False) -> Adapter:
     """A published Weaver adapter file -> Adapter (shapes checked against its config)."""
+    from tqdm import tqdm
+
     from weaver_jax.convert import torch_pickle
 
     payload = torch_pickle.load(path)
@@ -79,6 +81,7 @@ def load_published_adapter(path: str | Path, dtype: str = "float32") -> Adapter:
     if kind not in (None, "dflash_tfm_weaver"):
         raise ValueError(f"{path}: metadata.speculator_kind is {kind!r}, not a Weaver adapter ('dflash_tfm_weaver')")
     config = adapter_config_from_published(payload["config"], dtype)
-    tensors = {k: np.asarray(v, np.float32) for k, v in payload["state_dict"].items()}
+    state = payload["state_dict"]
+    tensors = {k: np.asarray(state[k], np.float32) for k in tqdm(list(state), unit="tensor", disable=not progress)}
     params = adapter_params_from_published(config, tensors)
     return module_from_params(lambda: Adapter(config, rngs=nnx.Rngs(0)), config.dtype, params)
