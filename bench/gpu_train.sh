@@ -30,6 +30,10 @@ export PYTHONPATH=/tmp/site:$PWD
 for sub in convert pallas_kernels; do [ -e weaver_jax/$sub ] || ln -s ../$sub weaver_jax/$sub; done
 export JAX_COMPILATION_CACHE_DIR=$STAGE/jax_cache  # a resumed stage in a later call skips recompiling
 W="python3 -m weaver_jax.cli"
+# tau and speed use this session's exports when they exist, else the shipped drafter and adapter
+SHIPPED=weaver_jax/weights/smollm2-135m-instruct
+DRAFTER=$STAGE/export/drafter; [ -d "$DRAFTER" ] || DRAFTER=$SHIPPED/drafter
+ADAPTER=$STAGE/export/adapter; [ -d "$ADAPTER" ] || ADAPTER=$SHIPPED/adapter
 minutes_left() {  # what remains of a 10-minute call, less a margin for export and packing
   python3 -c "print(max(0.5, min($1, (555 - $SECONDS) / 60 - 0.6)))"
 }
@@ -83,14 +87,16 @@ while [ $# -gt 0 ]; do
       shift 3 ;;
     tau)  # tau TEMPERATURE...: no autotuning (compile time dominates; tau does not depend on kernel choice)
       need_gguf
+      # resume from the committed results (configurations already there are skipped)
+      [ -f "$STAGE/tau.json" ] || cp "${TAU_SEED:-bench/results/2026-11-30_smollm2_tau_h200.json}" "$STAGE/tau.json"
       XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 bench/tau.py --model "$GGUF" \
-        --drafter "$STAGE/export/drafter" --adapter "$STAGE/export/adapter" --temperatures $2 \
+        --drafter "$DRAFTER" --adapter "$ADAPTER" --temperatures $2 \
         --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -3
-      cp "$STAGE/tau.json" "$OUT/tau.json"
+      cp "$STAGE/tau.json" "$OUT/tau.json"  # carry it back as .stage/tau.json to resume on a fresh machine
       shift 2 ;;
     speed)
       need_gguf
-      python3 bench/tau.py --model "$GGUF" --drafter "$STAGE/export/drafter" --adapter "$STAGE/export/adapter" \
+      python3 bench/tau.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
         --eval-prompts .stage/prompts/eval_prompts.json --speed "$2" --json "$OUT/speed.json"
       shift 2 ;;
     probe)  # training step times at the SmolLM2 shape (random weights), to size the runs
