@@ -175,3 +175,18 @@ def test_speculative_bad_input():
     with pytest.raises(ValueError, match=r"target_layer_ids \(0, 2, 3\) outside the target's 2 layers"):
         weaver_jax.generate(weaver_jax.Bundle(rb.target, drafter=deep.drafter), [[1]], method="dflash",
                             max_new_tokens=2)
+
+
+@pytest.mark.parametrize("method", ["ddtree", "weaver"])
+def test_proposal_tree_is_the_first_round(method):
+    """`proposal_tree` shows the round `generate` runs first: its root is the prefill's token, the
+    accepted path is a chain of the tree, and path + bonus are the next tokens generate emits."""
+    bundle = random_bundle(4, vocab_size=64, block_size=6)
+    prompt = [3, 9, 27, 17]
+    tree = weaver_jax.proposal_tree(bundle, prompt, method=method, budget=12)
+    assert len(tree["tokens"]) == 13 and tree["parent"][0] == -1 and tree["accepted"][0] == 0
+    for child, parent in zip(tree["accepted"][1:], tree["accepted"], strict=False):
+        assert tree["parent"][child] == parent
+    out = weaver_jax.generate(bundle, [prompt], method=method, max_new_tokens=8, eos_token_id=[], budget=12).tokens[0]
+    emitted = [tree["tokens"][i] for i in tree["accepted"]] + [tree["bonus"]]
+    assert out[: len(emitted)] == emitted

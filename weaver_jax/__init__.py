@@ -8,7 +8,7 @@ Public API: `load`, `generate` (host wrapper), the pure jitted `ar_generate` and
 from weaver_jax._adapter import Adapter, AdapterConfig
 from weaver_jax._config import ModelConfig, RopeScaling, qwen3_8b, smollm2_135m
 from weaver_jax._drafter import Drafter, DrafterConfig
-from weaver_jax._generate import AROutput, GenerateResult, ar_generate, generate, sequence_keys
+from weaver_jax._generate import AROutput, GenerateResult, ar_generate, generate, proposal_tree, sequence_keys
 from weaver_jax._load import Bundle, load
 from weaver_jax._model import ForwardOutput, KVCache, Transformer, target_from_params
 from weaver_jax._sampling import Sampling
@@ -19,7 +19,7 @@ from weaver_jax._tree import Tree
 __all__ = [
     "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig", "ForwardOutput", "GenerateResult",
     "KVCache", "ModelConfig", "RopeScaling", "Sampling", "SpecOutput", "Tokenizer", "Transformer", "Tree",
-    "ar_generate", "generate", "load", "qwen3_8b", "sequence_keys", "smollm2_135m", "spec_generate",
+    "ar_generate", "generate", "load", "proposal_tree", "qwen3_8b", "sequence_keys", "smollm2_135m", "spec_generate",
     "target_from_params",
 ]
 from weaver_jax import testing  # noqa: E402, F401  (weaver_jax.testing.random_bundle)

@@ -189,22 +189,10 @@ def _speculative_setup(bundle, method: str, method_options: dict):
     return options, nodes
 
 
-def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
-             eos_token_id: int | Sequence[int] | None = None, **method_options) -> GenerateResult:
-    """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
-
-    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
-    `budget`, default 64) or "weaver" (options `budget`, `children_per_node` (8),
-    `expansions_per_call` (ceil(budget / 16)), `pool_size` (the adapter's)): the speculative
-    methods emit exactly what "ar" would (greedy) or the same distribution (sampling).
-    eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
-    uses `fold_in(key(seed), i)`) or one seed per prompt. Returns `.tokens` and `.stats`
-    (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`; speculative
-    methods add `mean_accepted_length`, `accepted_length_histogram`, and per prompt
-    `sequence_verifications` and `sequence_accepted_tokens`).
-    """
-    from weaver_jax._speculative import METHODS, spec_generate
+def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+             method_options, round_only=False):
+    """Validation, padding and the jitted function's arguments: -> (fn, static, args)."""
+    from weaver_jax._speculative import METHODS, spec_first_round, spec_generate
 
     if method not in ("ar", *METHODS):
         raise ValueError(f"unknown method {method!r}; available: {['ar', *METHODS]}")
@@ -240,14 +228,34 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
         static.update(drafter_graphdef=drafter_graphdef, method=method, options=tuple(sorted(options.items())))
         size = _round_up(padded_len + max_new_tokens + nodes, 128)
         dsize = _round_up(padded_len + max_new_tokens + bundle.drafter.config.block_size, 128)
-        fn, args = spec_generate, [params, drafter_params, KVCache.init(config, len(prompts), size),
-                                   bundle.drafter.init_cache(len(prompts), dsize)]
+        fn = spec_first_round if round_only else spec_generate
+        args = [params, drafter_params, KVCache.init(config, len(prompts), size),
+                bundle.drafter.init_cache(len(prompts), dsize)]
     args += [batch, lengths, keys]
     if method == "weaver":
         adapter_graphdef, adapter_params = nnx.split(bundle.adapter)
         static.update(adapter_graphdef=adapter_graphdef)
         args.append(adapter_params)
+    return fn, static, args
 
+
+def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
+             eos_token_id: int | Sequence[int] | None = None, **method_options) -> GenerateResult:
+    """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
+
+    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
+    `budget`, default 64) or "weaver" (options `budget`, `children_per_node` (8),
+    `expansions_per_call` (ceil(budget / 16)), `pool_size` (the adapter's)): the speculative
+    methods emit exactly what "ar" would (greedy) or the same distribution (sampling).
+    eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
+    uses `fold_in(key(seed), i)`) or one seed per prompt. Returns `.tokens` and `.stats`
+    (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`; speculative
+    methods add `mean_accepted_length`, `accepted_length_histogram`, and per prompt
+    `sequence_verifications` and `sequence_accepted_tokens`).
+    """
+    fn, static, args = _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed,
+                                eos_token_id, method_options)
     t0 = time.perf_counter()
     compiled = _compiled(fn, static, *args)
     t1 = time.perf_counter()
@@ -270,4 +278,20 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
         stats["mean_accepted_length"] = float((histogram * np.arange(len(histogram))).sum() / max(verifications, 1))
         stats["accepted_length_histogram"] = histogram.tolist()
         stats["rounds"] = int(out.rounds) + 1  # + the prefill, as for "ar"
-    return GenerateResult([tokens[i, : counts[i]].tolist() for i in range(len(prompts))], stats)
+    return GenerateResult([tokens[i, : counts[i]].tolist() for i in range(len(counts))], stats)
+
+
+def proposal_tree(bundle, prompt, *, method: str = "weaver", temperature: float = 0.0, top_k: int = 0,
+                  top_p: float = 1.0, seed: int = 0, **method_options) -> dict:
+    """The first round's proposal tree for one prompt (token ids), and what the target accepted of
+    it: {"tokens", "parent", "depth": [N] for the valid nodes (node 0 is the root, the token the
+    prefill produced), "accepted": node indices of the accepted path, root first, "bonus": the
+    target's token after it}. For plotting and inspection; `generate` does the same round inside."""
+    fn, static, args = _prepare(bundle, [prompt], method, bundle.drafter.config.block_size + 1, temperature, top_k,
+                                top_p, seed, [], method_options, round_only=True)
+    tree, acc = _compiled(fn, static, *args)(*args)
+    valid = np.asarray(tree.valid[0])
+    n = int(acc.length[0])
+    return {"tokens": np.asarray(tree.tokens[0])[valid].tolist(), "parent": np.asarray(tree.parent[0])[valid].tolist(),
+            "depth": np.asarray(tree.depth[0])[valid].tolist(), "accepted": np.asarray(acc.path[0])[:n].tolist(),
+            "bonus": int(acc.bonus[0])}

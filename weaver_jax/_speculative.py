@@ -166,12 +166,108 @@ def _truncate(new, count, eos_ids, room):
     return jnp.minimum(count, room), hit
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "drafter_graphdef", "adapter_graphdef", "method", "options", "max_new_tokens",
-                     "sampling", "eos_ids"),
-    donate_argnames=("cache", "drafter_cache"),
-)
+class _Parts(NamedTuple):
+    """What a round needs, merged from params inside the jitted function."""
+
+    target: object
+    drafter: object
+    adapter: object
+    tables: object
+    method: str
+    opts: dict
+    layer_ids: tuple[int, ...]
+    hidden_ids: tuple[int, ...]
+    depth: int
+
+
+def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method, options):
+    target = nnx.merge(graphdef, params)
+    drafter = nnx.merge(drafter_graphdef, drafter_params)
+    layer_ids = tuple(drafter.config.target_layer_ids)
+    adapter = tables = None
+    if method == "weaver":
+        adapter = nnx.merge(adapter_graphdef, adapter_params)
+        tables = adapter.tables(target)  # once per call, not per round
+    # "weaver" also needs the target's final normed state at the node that produced the root
+    hidden_ids = layer_ids + ((target.config.num_layers - 1,) if method == "weaver" else ())
+    return _Parts(target, drafter, adapter, tables, method, dict(options), layer_ids, hidden_ids,
+                  drafter.config.block_size - 1)
+
+
+def _final_state(p: _Parts, hidden, index):  # [B, T, D] last-layer outputs, index [B] -> [B, D] normed
+    h = jnp.take_along_axis(hidden[-1], index[:, None, None], axis=1)[:, 0]
+    return rms_norm(h, p.target.final_norm[...], p.target.config.rms_norm_eps)
+
+
+def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
+             max_new_tokens) -> SpecState:
+    b, t = prompts.shape
+    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    out = p.target(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None], hidden_layers=p.hidden_ids)
+    drafter_cache = p.drafter.commit(drafter_cache, out.hidden[: len(p.layer_ids)], positions, prompt_lengths)
+    cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
+    first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
+    count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), max_new_tokens))
+    return SpecState(
+        rounds=jnp.int32(0), root=first,
+        root_state=_final_state(p, out.hidden, prompt_lengths - 1) if p.method == "weaver" else jnp.zeros((b, 0)),
+        cache=cache, drafter_cache=drafter_cache,
+        tokens=_emit(jnp.full((b, max_new_tokens), -1, jnp.int32), jnp.zeros((b,), jnp.int32), first[:, None],
+                     count, max_new_tokens),
+        num_tokens=count, done=hit | (count >= max_new_tokens), seq_rounds=jnp.zeros((b,), jnp.int32),
+        histogram=jnp.zeros((b, p.depth + 2), jnp.int32))
+
+
+def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> tuple[SpecState, Tree, Acceptance]:
+    """One round: draft, build the tree, verify, accept, commit. -> (state, the tree, its acceptance)."""
+    b = s.root.shape[0]
+    rows = jnp.arange(b)
+    active = ~s.done
+    marginals, states = p.drafter.propose(p.target, s.cache, s.root, s.drafter_cache)
+    if p.method == "weaver":
+        k = p.opts["depth"]
+        tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, :k], marginals[:, :k],
+                           budget=p.opts["budget"], children=p.opts["children"], expansions=p.opts["expansions"],
+                           pool_size=p.opts["pool_size"])
+    else:
+        tree = build_tree(p.method, s.root, marginals, p.opts)
+    attend = tree.ancestors()
+    verify = p.target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, attend, hidden_layers=p.hidden_ids)
+    round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
+    acc = accept(tree, verify.logits, round_keys, sampling, p.depth)
+    path = acc.path
+
+    new = jnp.take_along_axis(tree.tokens, path, axis=1)  # root first; shift: accepted then bonus
+    new = jnp.concatenate([new[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+    new = new.at[rows, acc.length - 1].set(acc.bonus)
+    count, hit = _truncate(new, acc.length, eos_ids, max_new_tokens - s.num_tokens)
+    count = jnp.where(active, count, 0)
+    tokens = _emit(s.tokens, s.num_tokens, new, count, max_new_tokens)
+    num_tokens = s.num_tokens + count
+    done = s.done | (active & hit) | (num_tokens >= max_new_tokens)
+
+    committed_positions = s.cache.lengths[:, None] + jnp.arange(p.depth + 1)[None, :]
+    features = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in verify.hidden[: len(p.layer_ids)])
+    # The root and the first count - 1 accepted nodes enter the cache; the last emitted token
+    # (the bonus, unless EOS or max_new_tokens cut the round short) is the next root.
+    drafter_cache = p.drafter.commit(s.drafter_cache, features, committed_positions, count)
+    cache = commit_kv(verify.cache, path, count)
+    histogram = s.histogram.at[rows, acc.length].add(active.astype(jnp.int32))
+    root = jnp.where(active, new[rows, jnp.maximum(count - 1, 0)], s.root)
+    root_state = s.root_state
+    if p.method == "weaver":  # the state of the last accepted node produced the bonus, the next root
+        last = jnp.take_along_axis(path, (acc.length - 1)[:, None], axis=1)[:, 0]
+        root_state = jnp.where(active[:, None], _final_state(p, verify.hidden, last), s.root_state)
+    state = SpecState(s.rounds + 1, root, root_state, cache, drafter_cache, tokens, num_tokens, done,
+                      s.seq_rounds + active, histogram)
+    return state, tree, acc
+
+
+_STATIC = ("graphdef", "drafter_graphdef", "adapter_graphdef", "method", "options", "max_new_tokens", "sampling",
+           "eos_ids")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "drafter_cache"))
 def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
                   adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                   options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
@@ -181,79 +277,22 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
     options: the static method options as a sorted tuple of (name, value) (`tree_options`). The
     target cache needs `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens +
     block_size`. "weaver" also takes the adapter's params and graphdef."""
-    target = nnx.merge(graphdef, params)
-    drafter = nnx.merge(drafter_graphdef, drafter_params)
-    opts = dict(options)
-    weaver = method == "weaver"
-    layer_ids = tuple(drafter.config.target_layer_ids)
-    # "weaver" also needs the target's final normed state at the node that produced the root
-    hidden_ids = layer_ids + ((target.config.num_layers - 1,) if weaver else ())
-    depth = drafter.config.block_size - 1
-    b, t = prompts.shape
-    rows = jnp.arange(b)
-    if weaver:
-        adapter = nnx.merge(adapter_graphdef, adapter_params)
-        tables = adapter.tables(target)  # once per call, not per round
-
-    def final_state(hidden, index):  # [B, T, D] last-layer outputs, index [B] -> [B, D] normed
-        h = jnp.take_along_axis(hidden[-1], index[:, None, None], axis=1)[:, 0]
-        return rms_norm(h, target.final_norm[...], target.config.rms_norm_eps)
-
-    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    out = target(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None], hidden_layers=hidden_ids)
-    drafter_cache = drafter.commit(drafter_cache, out.hidden[: len(layer_ids)], positions, prompt_lengths)
-    cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
-    first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
-    count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), max_new_tokens))
-    state = SpecState(
-        rounds=jnp.int32(0), root=first,
-        root_state=final_state(out.hidden, prompt_lengths - 1) if weaver else jnp.zeros((b, 0)),
-        cache=cache, drafter_cache=drafter_cache,
-        tokens=_emit(jnp.full((b, max_new_tokens), -1, jnp.int32), jnp.zeros((b,), jnp.int32), first[:, None],
-                     count, max_new_tokens),
-        num_tokens=count, done=hit | (count >= max_new_tokens), seq_rounds=jnp.zeros((b,), jnp.int32),
-        histogram=jnp.zeros((b, depth + 2), jnp.int32))
-
-    def body(s: SpecState) -> SpecState:
-        active = ~s.done
-        marginals, states = drafter.propose(target, s.cache, s.root, s.drafter_cache)
-        if weaver:
-            k = opts["depth"]
-            tree = weaver_tree(adapter, tables, s.root, s.root_state, states[:, :k], marginals[:, :k],
-                               budget=opts["budget"], children=opts["children"], expansions=opts["expansions"],
-                               pool_size=opts["pool_size"])
-        else:
-            tree = build_tree(method, s.root, marginals, opts)
-        attend = tree.ancestors()
-        verify = target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, attend, hidden_layers=hidden_ids)
-        round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
-        acc = accept(tree, verify.logits, round_keys, sampling, depth)
-        path = acc.path
-
-        new = jnp.take_along_axis(tree.tokens, path, axis=1)  # root first; shift: accepted then bonus
-        new = jnp.concatenate([new[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-        new = new.at[rows, acc.length - 1].set(acc.bonus)
-        count, hit = _truncate(new, acc.length, eos_ids, max_new_tokens - s.num_tokens)
-        count = jnp.where(active, count, 0)
-        tokens = _emit(s.tokens, s.num_tokens, new, count, max_new_tokens)
-        num_tokens = s.num_tokens + count
-        done = s.done | (active & hit) | (num_tokens >= max_new_tokens)
-
-        committed_positions = s.cache.lengths[:, None] + jnp.arange(depth + 1)[None, :]
-        features = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in verify.hidden[: len(layer_ids)])
-        # The root and the first count - 1 accepted nodes enter the cache; the last emitted token
-        # (the bonus, unless EOS or max_new_tokens cut the round short) is the next root.
-        drafter_cache = drafter.commit(s.drafter_cache, features, committed_positions, count)
-        cache = commit_kv(verify.cache, path, count)
-        histogram = s.histogram.at[rows, acc.length].add(active.astype(jnp.int32))
-        root = jnp.where(active, new[rows, jnp.maximum(count - 1, 0)], s.root)
-        root_state = s.root_state
-        if weaver:  # the state of the last accepted node produced the bonus, the next root
-            last = jnp.take_along_axis(path, (acc.length - 1)[:, None], axis=1)[:, 0]
-            root_state = jnp.where(active[:, None], final_state(verify.hidden, last), s.root_state)
-        return SpecState(s.rounds + 1, root, root_state, cache, drafter_cache, tokens, num_tokens, done,
-                         s.seq_rounds + active, histogram)
-
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method, options)
+    state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                               lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0], state)
     return SpecOutput(state.tokens, state.num_tokens, state.rounds, state.seq_rounds, state.histogram,
                       state.cache, state.drafter_cache)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def spec_first_round(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
+                     adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
+                     options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
+                     eos_ids: tuple[int, ...] = ()) -> tuple[Tree, Acceptance]:
+    """The prefill and the first round of `spec_generate` (same arguments), for looking inside:
+    -> (the proposal tree `[B, N]`, its acceptance: path `[B, K + 1]` of node indices, root first)."""
+    p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method, options)
+    state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
+    _, tree, acc = _round(p, state, keys, sampling, eos_ids, max_new_tokens)
+    return tree, acc
