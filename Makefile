@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTHON_CANDIDATES := python3.12 python3.13 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) \
 	$(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
-EXTRAS ?= model,dev
+EXTRAS ?= model,dev,notebooks
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean notebooks notebooks-sync
 
 $(VENV)/.installed: pyproject.toml
 	@py=""; for c in $(PYTHON_CANDIDATES); do \
@@ -25,6 +25,12 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --durations=15 -m "not gpu"
+
+notebooks: $(VENV)/.installed  # all four, full settings (train: ~10 min on CPU)
+	$(PY) notebooks/run.py --all
+
+notebooks-sync: $(VENV)/.installed  # regenerate every .ipynb from its .py (the source of truth)
+	$(PY) notebooks/run.py --sync
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -19,9 +19,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
+from weaver_jax import training  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids  # noqa: E402
-from weaver_jax._train import TrainConfig, adapter_loss, drafter_loss, fit, read_log  # noqa: E402
+from weaver_jax._train import TrainConfig, fit, read_log  # noqa: E402
 from weaver_jax.testing import random_target  # noqa: E402
 
 
@@ -49,10 +50,10 @@ def main():
                             mlp_dim=512, K=15)
     rows = []
 
-    def probe(kind, batch, module, loss_fn, frozen):
+    def probe(kind, batch, module, loss_for, frozen):
         config = TrainConfig(steps=args.steps, batch_size=batch, anchors=args.anchors, save_every=10**6, log_every=2)
         with tempfile.TemporaryDirectory() as tmp:
-            fit(module, loss_fn, data, config, tmp, frozen=frozen)
+            fit(module, loss_for(config), data, config, tmp, frozen=frozen)
             log = read_log(tmp)
         per_step = (log[-1]["seconds"] - log[0]["seconds"]) / (log[-1]["step"] - log[0]["step"])
         rows.append(dict(kind=kind, batch=batch, anchors=args.anchors, seq_len=t, seconds_per_step=per_step))
@@ -60,12 +61,10 @@ def main():
 
     drafter = Drafter(dconfig, rngs=nnx.Rngs(0))
     for batch in args.drafter_batches:
-        probe("drafter", batch, Drafter(dconfig, rngs=nnx.Rngs(0)),
-              lambda d, tg, b, k: drafter_loss(d, tg, b, k, anchors=args.anchors, gamma=7.0), (target,))
+        probe("drafter", batch, Drafter(dconfig, rngs=nnx.Rngs(0)), training.drafter_loss_fn, (target,))
     for batch in args.adapter_batches:
         probe("adapter", batch, Adapter(aconfig, rngs=nnx.Rngs(0)),
-              lambda a, tg, d, b, k: adapter_loss(a, tg, d, b, k, anchors=args.anchors, gamma=7.0, pool_size=512),
-              (target, drafter))
+              lambda config: training.adapter_loss_fn(config, 512), (target, drafter))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from weaver_jax import testing
+from weaver_jax import testing, training
 from weaver_jax._adapter import Adapter, random_adapter_config
 from weaver_jax._model import KVCache
-from weaver_jax._train import TrainConfig, adapter_loss, batch_indices, drafter_loss, fit, read_log, sample_anchors
+from weaver_jax._train import TrainConfig, batch_indices, fit, read_log, sample_anchors
 
 
 def _bundle(seed=0, block_size=6):
@@ -98,15 +98,10 @@ def trained_setup():
     return bundle, _data(bundle)
 
 
-def _drafter_loss_fn(config):
-    return lambda d, target, batch, key: drafter_loss(d, target, batch, key, anchors=config.anchors,
-                                                      gamma=config.gamma)
-
-
 def test_drafter_training_lowers_the_loss_and_resumes_exactly(trained_setup, tmp_path):
     bundle, data = trained_setup
     config = TrainConfig(steps=30, batch_size=4, anchors=6, learning_rate=3e-3, save_every=10, log_every=1)
-    loss_fn = _drafter_loss_fn(config)
+    loss_fn = training.drafter_loss_fn(config)
     fresh = lambda: jax.tree.map(jnp.copy, bundle.drafter)  # noqa: E731
     whole, info = fit(fresh(), loss_fn, data, config, tmp_path / "a", frozen=(bundle.target,))
     assert info["finished"] and info["step"] == 30
@@ -131,10 +126,8 @@ def test_adapter_training_beats_the_drafter_alone(trained_setup, tmp_path):
     adapter = Adapter(random_adapter_config(bundle.config, depth=k, pool=32), rngs=nnx.Rngs(5))
     config = TrainConfig(steps=40, batch_size=4, anchors=6, learning_rate=3e-3, save_every=40, log_every=1)
 
-    def loss_fn(a, target, drafter, batch, key):
-        return adapter_loss(a, target, drafter, batch, key, anchors=config.anchors, gamma=config.gamma, pool_size=32)
-
-    _, info = fit(adapter, loss_fn, data, config, tmp_path, frozen=(bundle.target, bundle.drafter))
+    _, info = fit(adapter, training.adapter_loss_fn(config, 32), data, config, tmp_path,
+                  frozen=(bundle.target, bundle.drafter))
     log = read_log(tmp_path)
     assert np.mean([r["loss"] for r in log[-5:]]) < 0.8 * np.mean([r["loss"] for r in log[:5]])
     assert np.mean([r["acc"] - r["acc_drafter"] for r in log[-5:]]) > 0.1

@@ -142,8 +142,8 @@ def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
 
 
 def _train_drafter(args) -> int:
+    from weaver_jax import training
     from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids
-    from weaver_jax._train import drafter_loss
 
     bundle = weaver_jax.load(args.model, dtype="float32")
     c = bundle.config
@@ -155,15 +155,13 @@ def _train_drafter(args) -> int:
         mask_token_id=_mask_token_id(bundle) if args.mask_token_id is None else args.mask_token_id,
         rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps, dtype="float32"))
 
-    def loss_fn(cfg):
-        return lambda d, target, batch, key: drafter_loss(d, target, batch, key, anchors=cfg.anchors, gamma=cfg.gamma)
-
-    return _fit_and_export(args, Drafter(config, rngs=nnx.Rngs(args.seed)), loss_fn, (bundle.target,), "drafter")
+    return _fit_and_export(args, Drafter(config, rngs=nnx.Rngs(args.seed)), training.drafter_loss_fn,
+                           (bundle.target,), "drafter")
 
 
 def _train_adapter(args) -> int:
+    from weaver_jax import training
     from weaver_jax._adapter import Adapter, AdapterConfig
-    from weaver_jax._train import adapter_loss
 
     bundle = weaver_jax.load(args.model, dtype="float32", drafter=args.drafter)
     c = bundle.config
@@ -172,12 +170,9 @@ def _train_adapter(args) -> int:
         num_heads=args.heads, mlp_dim=args.mlp_dim, K=bundle.drafter.config.block_size - 1,
         candidate_pool_size=args.pool_size, rope_base=args.rope_base, rms_norm_eps=c.rms_norm_eps, dtype="float32"))
 
-    def loss_fn(cfg):
-        return lambda a, target, drafter, batch, key: adapter_loss(
-            a, target, drafter, batch, key, anchors=cfg.anchors, gamma=cfg.gamma, pool_size=args.pool_size)
-
-    return _fit_and_export(args, Adapter(config, rngs=nnx.Rngs(args.seed)), loss_fn,
-                           (bundle.target, bundle.drafter), "adapter")
+    return _fit_and_export(args, Adapter(config, rngs=nnx.Rngs(args.seed)),
+                           lambda cfg: training.adapter_loss_fn(cfg, args.pool_size), (bundle.target, bundle.drafter),
+                           "adapter")
 
 
 def _training_arguments(p: argparse.ArgumentParser, steps: int) -> None:

