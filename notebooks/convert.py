@@ -132,10 +132,21 @@ out = subprocess.run([sys.executable, "-m", "weaver_jax.convert.cli", "target", 
 print(out.stdout)
 assert out.returncode == 0
 
+# %% [markdown]
+# The same from Python: dequantize, then write the checkpoint with the tokenizer.
+
+# %%
+from weaver_jax.convert import gguf  # noqa: E402
+
+smol_target = gguf.load_gguf_target(gguf_path, "float32")
+smol_tokenizer = weaver_jax.Tokenizer.from_gguf_metadata(gguf.open_gguf(gguf_path).metadata)
+checkpoint.save(work / "smollm2-py", smol_target, smol_tokenizer)
+print(sorted(p.name for p in (work / "smollm2-py").iterdir()))
+
 # %%
 smol = weaver_jax.load(work / "smollm2")
 ids = smol.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
 result = weaver_jax.generate(smol, [ids], max_new_tokens=24)
 print(smol.tokenizer.decode(result.tokens[0], skip_special_tokens=True))
-named = weaver_jax.load("smollm2-135m-instruct")
-assert weaver_jax.generate(named, [ids], max_new_tokens=24).tokens == result.tokens
+for other in (weaver_jax.load(work / "smollm2-py"), weaver_jax.load("smollm2-135m-instruct")):
+    assert weaver_jax.generate(other, [ids], max_new_tokens=24).tokens == result.tokens
