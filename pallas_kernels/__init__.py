@@ -3,6 +3,51 @@
 Each kernel lives beside its pure-JAX reference and wrapper in one module:
   tree_attention: verification's attention of N tree nodes over the committed prefix (split
     across programs, grouped query heads sharing K/V loads) plus the tree's own K/V under the
-    ancestor mask. Tested in interpret mode and lowered for CUDA in the CPU suite; not yet wired
-    into the target's forward (every path in `weaver_jax` still uses XLA) until it is timed on a GPU.
+    ancestor mask. Used by the target's forward when kernels are on.
+
+One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
+`WEAVER_JAX_KERNELS=1 | 0`. Off by default until the kernels are timed on a GPU (then: on for GPU);
+on a CPU they run in Pallas interpret mode (for tests). The switch is read when a function is
+traced: `generate` passes it to the jitted `ar_generate` / `spec_generate` as their static
+`kernels` argument, so a change takes effect at the next call; other jitted code sees the value
+it was first traced with.
 """
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+
+_forced: bool | None = None
+_scoped: list[bool] = []
+
+
+def use_kernels(on: bool | None) -> None:
+    """Force the Pallas kernels on or off (None: back to the environment / default)."""
+    global _forced
+    _forced = on
+
+
+@contextlib.contextmanager
+def kernel_scope(on: bool):
+    """Inside: `kernels_enabled()` is `on` (the jitted generators trace their body in one)."""
+    _scoped.append(on)
+    try:
+        yield
+    finally:
+        _scoped.pop()
+
+
+def kernels_enabled() -> bool:
+    if _scoped:
+        return _scoped[-1]
+    if _forced is not None:
+        return _forced
+    return os.environ.get("WEAVER_JAX_KERNELS", "0") == "1"
+
+
+def interpret() -> bool:
+    """Interpret mode wherever Triton cannot run (CPU)."""
+    return jax.default_backend() != "gpu"

@@ -54,7 +54,7 @@ def _emit(state: ARState, token: jax.Array, active: jax.Array, eos_ids: tuple[in
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids"),
+    static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "kernels"),
     donate_argnames=("cache",),
 )
 def ar_generate(
@@ -68,14 +68,22 @@ def ar_generate(
     max_new_tokens: int,
     sampling: Sampling = _GREEDY,
     eos_ids: tuple[int, ...] = (),
+    kernels: bool = False,
 ) -> AROutput:
     """Prefill `prompts [B, T]` (right-padded; real lengths `prompt_lengths [B]`) after whatever
     `cache` already holds, then decode up to `max_new_tokens` per sequence.
 
     graphdef, params = `nnx.split(target)`. keys `[B]`: one PRNG key per sequence.
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
-    slots; it is donated.
+    slots; it is donated. kernels: attention through the Pallas tree-attention kernel.
     """
+    from weaver_jax.pallas_kernels import kernel_scope
+
+    with kernel_scope(kernels):
+        return _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids)
+
+
+def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids):
     b, t = prompts.shape
     if t + max_new_tokens > cache.size:  # necessary even for an empty cache; slots would be clamped
         raise ValueError(f"cache of {cache.size} slots cannot hold prompts of {t} + {max_new_tokens} new tokens")
@@ -219,7 +227,10 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     lengths = np.array([len(p) for p in prompts], np.int32)
     keys = sequence_keys(seed, len(prompts))
     graphdef, params = nnx.split(bundle.target)
-    static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids)
+    from weaver_jax.pallas_kernels import kernels_enabled
+
+    static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids,
+                  kernels=kernels_enabled())
     if method == "ar":
         size = _round_up(padded_len + max_new_tokens, 128)
         fn, args = ar_generate, [params, KVCache.init(config, len(prompts), size)]

@@ -156,7 +156,13 @@ class Attention(nnx.Module):
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.project(x, positions, inv_freq)
         k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
-        o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
+        if isinstance(mask, TreeVisibility):  # the Pallas kernel: prefix [0, len) + `attend` among the new tokens
+            from weaver_jax.pallas_kernels import interpret
+            from weaver_jax.pallas_kernels.tree_attention import tree_attention
+
+            o = tree_attention(q, k_cache, v_cache, lengths, mask.attend, interpret=interpret())
+        else:
+            o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
         return o.astype(x.dtype).reshape(b, t, h * d) @ self.out[...], k_cache, v_cache
 
 
@@ -250,19 +256,32 @@ class Transformer(nnx.Module):
         if attend is None:
             attend = causal_attend(b, t)
         x = jnp.take(self.embed[...], tokens, axis=0)
+        from weaver_jax.pallas_kernels import kernels_enabled
+
+        d = self.config.head_dim
+        kernel = kernels_enabled() and d >= 16 and d & (d - 1) == 0  # the kernel's tiles need 2^k >= 16
         x, hidden, new_cache = run_blocks(self.layers, x, positions, rope_frequencies(self.config), cache, attend,
-                                          hidden_layers)
+                                          hidden_layers, kernel=kernel)
         if logits_rows is not None:
             x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
         return ForwardOutput(self.logits(x), hidden, new_cache)
 
 
-def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_layers=(), mask=None):
+class TreeVisibility(NamedTuple):
+    """Visibility given as the committed prefix plus `attend [B, T, T]` among the new tokens, for
+    the tree-attention kernel (which never builds the `[B, T, S]` mask)."""
+
+    attend: jax.Array
+
+
+def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_layers=(), mask=None,
+               kernel: bool = False):
     """The layer stack shared by target, drafter and adapter: returns the last output, the outputs
     of `hidden_layers`, and the cache with the new K/V written at `[lengths, lengths + T)` (lengths
-    unchanged). `mask [B, T, S]` overrides the committed-prefix + `attend` visibility."""
+    unchanged). `mask [B, T, S]` overrides the committed-prefix + `attend` visibility; `kernel`
+    computes that visibility inside the Pallas tree-attention kernel instead."""
     if mask is None:
-        mask = visibility_mask(cache.lengths, attend, cache.size)
+        mask = TreeVisibility(attend) if kernel else visibility_mask(cache.lengths, attend, cache.size)
     hidden, ks, vs = {}, [], []
     for i, layer in enumerate(layers):
         x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, mask)

@@ -25,6 +25,7 @@ from weaver_jax._adapter import weaver_tree
 from weaver_jax._model import KVCache, _write, rms_norm
 from weaver_jax._sampling import Sampling, select
 from weaver_jax._tree import Tree, chain, ddtree
+from weaver_jax.pallas_kernels import kernel_scope
 
 METHODS = ("dflash", "ddtree", "weaver")
 _GREEDY = Sampling()
@@ -264,23 +265,26 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
 
 
 _STATIC = ("graphdef", "drafter_graphdef", "adapter_graphdef", "method", "options", "max_new_tokens", "sampling",
-           "eos_ids")
+           "eos_ids", "kernels")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "drafter_cache"))
 def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
                   adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                   options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-                  eos_ids: tuple[int, ...] = ()) -> SpecOutput:
+                  eos_ids: tuple[int, ...] = (), kernels: bool = False) -> SpecOutput:
     """Speculative counterpart of `ar_generate` (same prompt, cache and key conventions).
 
     options: the static method options as a sorted tuple of (name, value) (`tree_options`). The
     target cache needs `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens +
-    block_size`. "weaver" also takes the adapter's params and graphdef."""
-    p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method, options)
-    state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                               lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0], state)
+    block_size`. "weaver" also takes the adapter's params and graphdef. kernels: the target's
+    attention through the Pallas tree-attention kernel."""
+    with kernel_scope(kernels):
+        p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
+                   options)
+        state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                                   lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0], state)
     return SpecOutput(state.tokens, state.num_tokens, state.rounds, state.seq_rounds, state.histogram,
                       state.cache, state.drafter_cache)
 
@@ -289,10 +293,12 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
 def spec_first_round(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
                      adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                      options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-                     eos_ids: tuple[int, ...] = ()) -> tuple[Tree, Acceptance]:
+                     eos_ids: tuple[int, ...] = (), kernels: bool = False) -> tuple[Tree, Acceptance]:
     """The prefill and the first round of `spec_generate` (same arguments), for looking inside:
     -> (the proposal tree `[B, N]`, its acceptance: path `[B, K + 1]` of node indices, root first)."""
-    p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method, options)
-    state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
-    _, tree, acc = _round(p, state, keys, sampling, eos_ids, max_new_tokens)
+    with kernel_scope(kernels):
+        p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
+                   options)
+        state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
+        _, tree, acc = _round(p, state, keys, sampling, eos_ids, max_new_tokens)
     return tree, acc
