@@ -26,9 +26,14 @@ def _paired(name: str):
 
 
 def sync(name: str) -> None:
+    """Rewrite the .ipynb when its cells differ from the .py (cell ids are random: an unchanged
+    notebook is left alone so that syncing makes no diff)."""
     import jupytext
 
-    jupytext.write(_paired(name), HERE / f"{name}.ipynb", fmt="ipynb")
+    try:
+        check_in_sync(name)
+    except (AssertionError, FileNotFoundError):
+        jupytext.write(_paired(name), HERE / f"{name}.ipynb", fmt="ipynb")
 
 
 def check_in_sync(name: str) -> None:
