@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
 from weaver_jax import training  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig  # noqa: E402
-from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids  # noqa: E402
+from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
 from weaver_jax._train import TrainConfig, fit, read_log  # noqa: E402
 from weaver_jax.testing import random_target  # noqa: E402
 
@@ -41,11 +41,7 @@ def main():
     n, t = 128, args.seq_len
     data = dict(tokens=rng.integers(0, c.vocab_size, (n, t)).astype(np.int32),
                 prompt_lengths=np.full(n, 100, np.int32), lengths=np.full(n, t, np.int32))
-    dconfig = DrafterConfig(target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                            target_layer_ids=default_target_layer_ids(c.num_layers, 3), hidden_size=c.hidden_size,
-                            intermediate_size=c.intermediate_size, num_layers=2, num_heads=c.num_heads,
-                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=16, mask_token_id=16,
-                            rope_theta=c.rope_theta)
+    dconfig = DrafterConfig.like(c, num_layers=2, num_features=3, mask_token_id=16)  # the CLI's defaults
     aconfig = AdapterConfig(d_model=c.hidden_size, d_embed=c.hidden_size, d_rank=192, num_layers=2, num_heads=3,
                             mlp_dim=512, K=15)
     rows = []

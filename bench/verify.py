@@ -30,21 +30,12 @@ import decode as bench  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
-from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids  # noqa: E402
+from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
 from weaver_jax._speculative import accept, build_tree, commit_kv  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
 
 TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=16, qk_norm=True, family="qwen3")
-
-
-def drafter_for(config: wj.ModelConfig, layers: int, block: int) -> DrafterConfig:
-    return DrafterConfig(
-        target_hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-        target_layer_ids=default_target_layer_ids(config.num_layers, layers), hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_layers=layers, num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, block_size=block,
-        mask_token_id=config.vocab_size - 1, rope_theta=config.rope_theta, dtype=config.dtype)
 
 
 def random_tree(batch: int, n: int, depth: int, vocab: int, seed: int = 0) -> Tree:
@@ -78,7 +69,8 @@ def main():
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     config = (wj.qwen3_8b(dtype) if args.shape == "qwen3-8b" else TINY.replace(dtype=dtype))
     target = bench.random_target(config)
-    dconfig = drafter_for(config, args.drafter_layers, args.block)
+    dconfig = DrafterConfig.like(config, num_layers=args.drafter_layers, num_features=args.drafter_layers,
+                                 block_size=args.block, mask_token_id=config.vocab_size - 1, dtype=config.dtype)
     drafter = bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1)))
     aconfig = AdapterConfig(d_model=config.hidden_size, d_embed=config.hidden_size, d_rank=args.adapter_rank,
                             num_layers=args.adapter_layers, num_heads=max(1, args.adapter_rank // 128),

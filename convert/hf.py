@@ -94,17 +94,21 @@ def check_all_used(tensors: Mapping[str, np.ndarray], used: set[str]) -> None:
         raise ValueError(f"unexpected tensors: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
 
 
+def _weight_files(directory: Path, name: str) -> list[str]:
+    """The shards named by `name.index.json`, or `[name]`, or [] when neither is in `directory`."""
+    index = directory / f"{name}.index.json"
+    if index.exists():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [name] if (directory / name).exists() else []
+
+
 def read_safetensors(directory: Path, progress: bool = False) -> dict[str, np.ndarray]:
     """All tensors of `model.safetensors` or a sharded `model.safetensors.index.json`, as float32."""
     from safetensors import safe_open
     from tqdm import tqdm
 
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
+    files = _weight_files(directory, "model.safetensors")
+    if not files:
         raise FileNotFoundError(f"{directory} holds no model.safetensors or model.safetensors.index.json")
     tensors = {}
     for f in files:
@@ -124,12 +128,8 @@ def read_torch_weights(directory: Path, progress: bool = False) -> dict[str, np.
 
     from weaver_jax.convert import torch_pickle
 
-    index = directory / "pytorch_model.bin.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "pytorch_model.bin").exists():
-        files = ["pytorch_model.bin"]
-    else:
+    files = _weight_files(directory, "pytorch_model.bin")
+    if not files:
         files = sorted(p.name for p in directory.iterdir() if p.suffix in (".pth", ".pt"))
         if len(files) != 1:
             raise FileNotFoundError(f"{directory} holds no model.safetensors, pytorch_model.bin or single .pth file")
@@ -146,7 +146,7 @@ def read_torch_weights(directory: Path, progress: bool = False) -> dict[str, np.
 
 def read_weights(directory: Path, progress: bool = False) -> dict[str, np.ndarray]:
     """A Hugging Face directory's tensors: safetensors when present, else PyTorch pickles."""
-    if (directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists():
+    if _weight_files(directory, "model.safetensors"):
         return read_safetensors(directory, progress)
     return read_torch_weights(directory, progress)
 

@@ -78,15 +78,10 @@ print(data["tokens"].shape, "sequences x slots;", answer_tokens, "answer tokens"
 
 # %%
 from weaver_jax._adapter import Adapter, AdapterConfig  # noqa: E402
-from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids  # noqa: E402
+from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
 
 c = target.config
-drafter_config = DrafterConfig(
-    target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-    target_layer_ids=default_target_layer_ids(c.num_layers, 3), hidden_size=c.hidden_size,
-    intermediate_size=c.intermediate_size, num_layers=2 if FULL else 1,
-    num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=16, mask_token_id=16,
-    rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps)
+drafter_config = DrafterConfig.like(c, num_layers=2 if FULL else 1, num_features=3, mask_token_id=16)
 drafter = Drafter(drafter_config, rngs=nnx.Rngs(0))
 held_out = bundle.tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a rainbow forms."}])
 

@@ -58,6 +58,18 @@ class DrafterConfig:
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty")
 
+    @classmethod
+    def like(cls, target: ModelConfig, *, num_layers: int, num_features: int, block_size: int = 16,
+             mask_token_id: int, dtype: str = "float32") -> DrafterConfig:
+        """A drafter with the target's width, MLP and head layout (DFlash's choice), reading
+        `num_features` target layers spaced by DFlash's rule."""
+        return cls(target_hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                   target_layer_ids=default_target_layer_ids(target.num_layers, num_features),
+                   hidden_size=target.hidden_size, intermediate_size=target.intermediate_size, num_layers=num_layers,
+                   num_heads=target.num_heads, num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                   block_size=block_size, mask_token_id=mask_token_id, rope_theta=target.rope_theta,
+                   rms_norm_eps=target.rms_norm_eps, dtype=dtype)
+
     @property
     def layer_config(self) -> ModelConfig:
         """The ModelConfig its blocks are built from (Qwen3-style: q/k norm, no bias)."""

@@ -20,6 +20,7 @@ from flax import nnx
 
 from weaver_jax._model import KVCache
 from weaver_jax._sampling import Sampling, select
+from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
 
 _GREEDY = Sampling()
 
@@ -77,8 +78,6 @@ def ar_generate(
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
     slots; it is donated. kernels: attention through the Pallas tree-attention kernel.
     """
-    from weaver_jax.pallas_kernels import kernel_scope
-
     with kernel_scope(kernels):
         return _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids)
 
@@ -227,8 +226,6 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     lengths = np.array([len(p) for p in prompts], np.int32)
     keys = sequence_keys(seed, len(prompts))
     graphdef, params = nnx.split(bundle.target)
-    from weaver_jax.pallas_kernels import kernels_enabled
-
     static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids,
                   kernels=kernels_enabled())
     if method == "ar":

@@ -142,21 +142,16 @@ def _load_part(path: Path, kind: str, dtype: str, target: ModelConfig):
     from weaver_jax.convert import checkpoint, dflash, weaver
 
     if kind == "adapter" and path.is_file():  # a published Weaver file, converted on the fly
-        module = weaver.load_published_adapter(path, dtype)
-        module.config.check_target(target)
-        return module
+        return weaver.load_published_adapter(path, dtype)
     if not path.is_dir():
         raise FileNotFoundError(f"{kind} {path} is not a directory")
     if checkpoint.is_checkpoint(path):
         if checkpoint.kind_of(path) != kind:
             raise ValueError(f"{path} holds a {checkpoint.kind_of(path)} checkpoint, not a {kind}")
-        module, _ = checkpoint.load(path, dtype)
-    elif kind == "drafter":
-        module = dflash.load_dflash_drafter(path, dtype, num_target_layers=target.num_layers)
-    else:
-        raise ValueError(f"{path} is not a weaver_jax adapter checkpoint (no config.json with format 'weaver_jax')")
-    module.config.check_target(target)
-    return module
+        return checkpoint.load(path, dtype)[0]
+    if kind == "drafter":
+        return dflash.load_dflash_drafter(path, dtype, num_target_layers=target.num_layers)
+    raise ValueError(f"{path} is not a weaver_jax adapter checkpoint (no config.json with format 'weaver_jax')")
 
 
 def _load_target(name_or_path, dtype: str | None) -> Bundle:

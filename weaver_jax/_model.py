@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from weaver_jax._config import ModelConfig
+from weaver_jax.pallas_kernels import kernels_enabled
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 
@@ -228,7 +229,11 @@ class Transformer(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Final norm + LM head: `[..., D] -> [..., V]` float32."""
-        return self.head(rms_norm(h, self.final_norm[...], self.config.rms_norm_eps))
+        return self.head(self.final_state(h))
+
+    def final_state(self, h: jax.Array) -> jax.Array:
+        """The final RMSNorm of last-layer outputs `[..., D]` (what the LM head reads)."""
+        return rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
 
     def head(self, h: jax.Array) -> jax.Array:
         """The LM head alone (the drafter applies it to its own normed states): `[..., D] -> [..., V]`."""
@@ -256,8 +261,6 @@ class Transformer(nnx.Module):
         if attend is None:
             attend = causal_attend(b, t)
         x = jnp.take(self.embed[...], tokens, axis=0)
-        from weaver_jax.pallas_kernels import kernels_enabled
-
         d = self.config.head_dim
         kernel = kernels_enabled() and d >= 16 and d & (d - 1) == 0  # the kernel's tiles need 2^k >= 16
         x, hidden, new_cache = run_blocks(self.layers, x, positions, rope_frequencies(self.config), cache, attend,

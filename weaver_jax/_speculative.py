@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from weaver_jax._adapter import weaver_tree
-from weaver_jax._model import KVCache, _write, rms_norm
+from weaver_jax._model import KVCache, _write
 from weaver_jax._sampling import Sampling, select
 from weaver_jax._tree import Tree, chain, ddtree
 from weaver_jax.pallas_kernels import kernel_scope
@@ -196,8 +196,7 @@ def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, a
 
 
 def _final_state(p: _Parts, hidden, index):  # [B, T, D] last-layer outputs, index [B] -> [B, D] normed
-    h = jnp.take_along_axis(hidden[-1], index[:, None, None], axis=1)[:, 0]
-    return rms_norm(h, p.target.final_norm[...], p.target.config.rms_norm_eps)
+    return p.target.final_state(jnp.take_along_axis(hidden[-1], index[:, None, None], axis=1)[:, 0])
 
 
 def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from weaver_jax._model import KVCache, rms_norm
+from weaver_jax._model import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def adapter_loss(adapter, target, drafter, batch: dict, key: jax.Array, *, ancho
     marginals = target.head(states)  # [B, A, K, V]
     pool_logits, pool_ids = jax.lax.top_k(marginals, pool_size)  # [B, A, K, P]
     root_hidden = jnp.take_along_axis(final_hidden, jnp.maximum(anchor_pos - 1, 0)[:, :, None], axis=1)
-    root_state = rms_norm(root_hidden, target.final_norm[...], target.config.rms_norm_eps)  # [B, A, D]
+    root_state = target.final_state(root_hidden)  # [B, A, D]
     tokens = jnp.maximum(batch["tokens"], 0)
     path = jnp.concatenate([jnp.take_along_axis(tokens, anchor_pos, 1)[:, :, None], labels[:, :, : k - 1]], axis=2)
     tables = adapter.tables(target)

@@ -143,17 +143,12 @@ def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
 
 def _train_drafter(args) -> int:
     from weaver_jax import training
-    from weaver_jax._drafter import Drafter, DrafterConfig, default_target_layer_ids
+    from weaver_jax._drafter import Drafter, DrafterConfig
 
     bundle = weaver_jax.load(args.model, dtype="float32")
-    c = bundle.config
-    config = _module_config(args.run, "drafter", DrafterConfig(
-        target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-        target_layer_ids=default_target_layer_ids(c.num_layers, args.num_features), hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_layers=args.layers, num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=args.block_size,
-        mask_token_id=_mask_token_id(bundle) if args.mask_token_id is None else args.mask_token_id,
-        rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps, dtype="float32"))
+    config = _module_config(args.run, "drafter", DrafterConfig.like(
+        bundle.config, num_layers=args.layers, num_features=args.num_features, block_size=args.block_size,
+        mask_token_id=_mask_token_id(bundle) if args.mask_token_id is None else args.mask_token_id))
 
     return _fit_and_export(args, Drafter(config, rngs=nnx.Rngs(args.seed)), training.drafter_loss_fn,
                            (bundle.target,), "drafter")
