@@ -7,6 +7,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+# convert/ and pallas_kernels/ install as weaver_jax.convert / .pallas_kernels: links give the same paths
+for sub in convert pallas_kernels; do [ -e weaver_jax/$sub ] || ln -s ../$sub weaver_jax/$sub; done
 variant=${1:-default}
 case "$variant" in
   default)
@@ -22,6 +24,13 @@ case "$variant" in
       python3 bench/tree_build.py --label cmdbuf --budgets 64 --expansions 4 --json "$OUT/tree_build_cmdbuf.json" ;;
   tree-attention)  # the Pallas tree-attention kernel against XLA and the K/V read floor (issue 8)
     python3 bench/tree_attention.py --json "$OUT/tree_attention.json" ;;
+  verify-kernels)  # whole verification with the target's attention through XLA vs the Pallas kernel (issue 8)
+    python3 bench/verify.py --shape qwen3-8b --contexts 1024 4096 16384 --kernels off on --stages verify \
+      --nodes 16 64 256 --json "$OUT/verify_kernels_qwen3-8b.json" ;;
+  round-smollm2)  # one round's stages at the SmolLM2 shape with the shipped drafter/adapter sizes (issue 5)
+    python3 bench/verify.py --shape smollm2-135m --contexts 512 --stages verify round --nodes 16 64 \
+      --drafter-layers 2 --drafter-features 3 --adapter-rank 192 --adapter-heads 3 --adapter-mlp 512 \
+      --json "$OUT/round_smollm2.json" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

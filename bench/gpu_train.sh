@@ -10,7 +10,8 @@
 #   bash bench/gpu_train.sh drafter STEPS MINUTES
 #   bash bench/gpu_train.sh adapter STEPS MINUTES
 #   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures (~70 s per
-#                                                 # method and budget: a call finishes ~7; rerun to continue)
+#                                                 # method and budget: a call finishes ~7; rerun to continue;
+#                                                 # TAU_BUDGETS="64" to take those budgets first)
 #   bash bench/gpu_train.sh speed 8               # B = 1 tokens/s over 8 prompts: ar, dflash, ddtree, weaver
 #
 # Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`.
@@ -89,9 +90,11 @@ while [ $# -gt 0 ]; do
       need_gguf
       # resume from the committed results (configurations already there are skipped)
       [ -f "$STAGE/tau.json" ] || cp "${TAU_SEED:-bench/results/2026-11-30_smollm2_tau_h200.json}" "$STAGE/tau.json"
-      XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 bench/tau.py --model "$GGUF" \
-        --drafter "$DRAFTER" --adapter "$ADAPTER" --temperatures $2 \
-        --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -3
+      # stop before the call's limit so the results reach $OUT; finished configurations are kept
+      XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $((560 - SECONDS))s \
+        python3 bench/tau.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" --temperatures $2 \
+        --budgets ${TAU_BUDGETS:-16 32 64 128} \
+        --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -8
       cp "$STAGE/tau.json" "$OUT/tau.json"  # carry it back as .stage/tau.json to resume on a fresh machine
       shift 2 ;;
     speed)

@@ -1,11 +1,13 @@
 """Tree verification against a decode step, Weaver tree construction, and the per-round breakdown.
 
     python bench/verify.py --shape qwen3-8b --nodes 16 32 64 128 256 --json out.json
+    python bench/verify.py --contexts 1024 16384 --kernels off on --stages verify --nodes 64
 
 Every stage is timed inside a `fori_loop` with a loop-carried dependency, as (time(n + 1) -
 time(1)) / n, like bench/decode.py: verification of an N-node random tree (ancestor mask,
 positions len + depth) over a `--context`-token prefix, against N = 1 (a decode step) in the same
-run; Weaver tree construction at budgets `--budgets` (adapter of width `--adapter-rank`,
+run (at each of `--contexts`, with the target's attention through XLA and/or the Pallas kernel,
+`--kernels`); Weaver tree construction at budgets `--budgets` (adapter of width `--adapter-rank`,
 `--adapter-layers` layers, pool 512, 8 children per node) against the same number of
 full-vocabulary projections done as one matmul; then one round's stages for `dflash`, `ddtree`
 and `weaver` (budget 64): drafter proposal, tree build, verification, acceptance + commit.
@@ -31,6 +33,7 @@ import decode as bench  # noqa: E402
 import weaver_jax as wj  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
+from weaver_jax.pallas_kernels import kernel_scope  # noqa: E402
 from weaver_jax._speculative import accept, build_tree, commit_kv  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
 
@@ -53,37 +56,48 @@ def random_tree(batch: int, n: int, depth: int, vocab: int, seed: int = 0) -> Tr
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=["qwen3-8b", "tiny"], default="qwen3-8b")
+    parser.add_argument("--shape", choices=[*sorted(bench.SHAPES), "tiny"], default="qwen3-8b")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--cache", type=int, default=2048)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
+    parser.add_argument("--kernels", choices=["off", "on"], nargs="+", default=["off"],
+                        help="target attention through XLA (off) and/or the Pallas tree-attention kernel (on)")
+    parser.add_argument("--stages", choices=["verify", "tree", "round"], nargs="+", default=["verify", "tree", "round"])
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--drafter-layers", type=int, default=5)
+    parser.add_argument("--drafter-features", type=int, help="target layers fused into the context (default: layers)")
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--adapter-rank", type=int, default=1024)
     parser.add_argument("--adapter-layers", type=int, default=2)
+    parser.add_argument("--adapter-heads", type=int, help="default: rank / 128")
+    parser.add_argument("--adapter-mlp", type=int, help="default: 4 x rank")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    config = (wj.qwen3_8b(dtype) if args.shape == "qwen3-8b" else TINY.replace(dtype=dtype))
+    config = TINY.replace(dtype=dtype) if args.shape == "tiny" else bench.SHAPES[args.shape](dtype)
     target = bench.random_target(config)
-    dconfig = DrafterConfig.like(config, num_layers=args.drafter_layers, num_features=args.drafter_layers,
-                                 block_size=args.block, mask_token_id=config.vocab_size - 1, dtype=config.dtype)
+    dconfig = DrafterConfig.like(config, num_layers=args.drafter_layers,
+                                 num_features=args.drafter_features or args.drafter_layers, block_size=args.block,
+                                 mask_token_id=config.vocab_size - 1, dtype=config.dtype)
     drafter = bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1)))
     aconfig = AdapterConfig(d_model=config.hidden_size, d_embed=config.hidden_size, d_rank=args.adapter_rank,
-                            num_layers=args.adapter_layers, num_heads=max(1, args.adapter_rank // 128),
-                            mlp_dim=4 * args.adapter_rank, K=args.block - 1,
+                            num_layers=args.adapter_layers,
+                            num_heads=args.adapter_heads or max(1, args.adapter_rank // 128),
+                            mlp_dim=args.adapter_mlp or 4 * args.adapter_rank, K=args.block - 1,
                             candidate_pool_size=min(512, config.vocab_size), dtype=dtype)
     adapter = bench.random_module(lambda: Adapter(aconfig, rngs=nnx.Rngs(2)))
     agraphdef, aparams = nnx.split(adapter)
     graphdef, params = nnx.split(target)
     dgraphdef, dparams = nnx.split(drafter)
     b, depth = args.batch, args.block - 1
-    cache = wj.KVCache.init(config, b, args.cache).with_lengths(jnp.full((b,), args.context))
-    dcache = drafter.init_cache(b, args.cache).with_lengths(jnp.full((b,), args.context))
+    start = jnp.zeros((b,), jnp.int32)
     loop = lambda body, carry, ws: bench._looped_seconds(body, carry, ws, 16, args.repeats)  # noqa: E731
+
+    def caches(context):  # room for the longest tree past the prefix
+        size = -(-(context + max(args.nodes + args.budgets) + 1) // 128) * 128
+        return (wj.KVCache.init(config, b, size).with_lengths(jnp.full((b,), context)),
+                drafter.init_cache(b, size).with_lengths(jnp.full((b,), context)))
 
     def verify_body(tree: Tree):
         attend = tree.ancestors()
@@ -96,19 +110,6 @@ def main():
 
         return body
 
-    rows = []
-    start = jnp.zeros((b,), jnp.int32)
-    step = loop(verify_body(random_tree(b, 1, 0, config.vocab_size)), start, (params, cache))
-    for n in args.nodes:
-        seconds = loop(verify_body(random_tree(b, n, depth, config.vocab_size)), start, (params, cache))
-        rows.append(dict(stage="verify", nodes=n, ms=seconds * 1e3, decode_step_ms=step * 1e3, ratio=seconds / step))
-        print(json.dumps(rows[-1]), flush=True)
-
-    marginals, dstates = jax.jit(lambda ws: nnx.merge(dgraphdef, ws[1]).propose(
-        nnx.merge(graphdef, ws[0]), ws[2], start, ws[3]))((params, dparams, cache, dcache))
-    tables = jax.jit(lambda ws: nnx.merge(agraphdef, ws[0]).tables(nnx.merge(graphdef, ws[1])))((aparams, params))
-    root_state = jax.random.normal(jax.random.key(3), (b, config.hidden_size), jnp.float32).astype(dtype)
-
     def weaver_build(budget):
         def body(c, ws):
             a = nnx.merge(agraphdef, ws[0])
@@ -117,48 +118,70 @@ def main():
                                ).tokens[:, -1]
         return body
 
-    head = target.embed[...] if target.lm_head is None else target.lm_head[...].T
-    for budget in args.budgets:
-        build = loop(weaver_build(budget), start, (aparams, tables, root_state, dstates, marginals))
-        xs = jax.random.normal(jax.random.key(4), (b * budget, config.hidden_size), jnp.float32).astype(dtype)
-        full = loop(lambda c, ws: c + jnp.argmax((ws[0] * (1 + 1e-30 * c[0]).astype(ws[0].dtype)) @ ws[1].T,
-                                                 -1)[: c.shape[0]].astype(jnp.int32), start, (xs, head))
-        rows.append(dict(stage="weaver_tree", budget=budget, ms=build * 1e3, full_vocab_projections_ms=full * 1e3,
-                         decode_step_ms=step * 1e3))
-        print(json.dumps(rows[-1]), flush=True)
-
     def propose(carry, ws):  # the drafter stage alone, for the breakdown
         t, d = nnx.merge(graphdef, ws[0]), nnx.merge(dgraphdef, ws[1])
         return d.propose(t, ws[2], carry, ws[3])[0]
 
-    drafter_s = loop(lambda c, ws: jnp.argmax(propose(c, ws)[:, 0], -1).astype(jnp.int32), start,
-                     (params, dparams, cache, dcache))
-    for method, options in (("dflash", {}), ("ddtree", {"budget": 64}), ("weaver", {"budget": 64})):
-        if method == "weaver":
-            build_s = loop(weaver_build(64), start, (aparams, tables, root_state, dstates, marginals))
-            tree = jax.jit(lambda ws: weaver_tree(nnx.merge(agraphdef, ws[0]), ws[1], start, ws[2], ws[3], ws[4],
-                                                  budget=64, children=8, expansions=4,
-                                                  pool_size=aconfig.candidate_pool_size)
-                           )((aparams, tables, root_state, dstates, marginals))
-        else:
-            build_s = loop(lambda c, ws, m=method, o=options: build_tree(m, c, ws * (1 + 1e-30 * c[:, None, None]),
-                                                                         o).tokens[:, -1], start, marginals)
-            tree = build_tree(method, start, marginals, options)
-        verify_s = loop(verify_body(tree), start, (params, cache))
-        logits = jax.random.normal(jax.random.key(0), (b, tree.size, config.vocab_size), jnp.float32)
-        def accept_commit(carry, ws, tree=tree):
-            acc = accept(tree, ws[0] + 1e-30 * carry[0][:, None, None], ws[1], wj.Sampling(), depth)
-            moved = commit_kv(carry[1], acc.path, acc.length)
-            return acc.bonus, moved.with_lengths(carry[1].lengths)
+    rows = []
+    cache, dcache = caches(args.contexts[0])
+    marginals, dstates = jax.jit(lambda ws: nnx.merge(dgraphdef, ws[1]).propose(
+        nnx.merge(graphdef, ws[0]), ws[2], start, ws[3]))((params, dparams, cache, dcache))
+    tables = jax.jit(lambda ws: nnx.merge(agraphdef, ws[0]).tables(nnx.merge(graphdef, ws[1])))((aparams, params))
+    root_state = jax.random.normal(jax.random.key(3), (b, config.hidden_size), jnp.float32).astype(dtype)
+    weaver_ws = (aparams, tables, root_state, dstates, marginals)
+    trees = {"weaver": jax.jit(lambda ws: weaver_tree(nnx.merge(agraphdef, ws[0]), ws[1], start, ws[2], ws[3], ws[4],
+                                                      budget=64, children=8, expansions=4,
+                                                      pool_size=aconfig.candidate_pool_size))(weaver_ws),
+             "dflash": build_tree("dflash", start, marginals, {}), "ddtree": build_tree("ddtree", start, marginals,
+                                                                                       {"budget": 64})}
 
-        accept_s = loop(accept_commit, (start, cache), (logits, wj.sequence_keys(0, b)))
-        row = dict(stage="round", method=method, nodes=tree.size, drafter_ms=drafter_s * 1e3,
-                   tree_ms=build_s * 1e3, verify_ms=verify_s * 1e3, accept_commit_ms=accept_s * 1e3,
-                   decode_step_ms=step * 1e3)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for context in args.contexts:
+        cache, dcache = caches(context)
+        for kernels in args.kernels:
+            with kernel_scope(kernels == "on"):
+                step = loop(verify_body(random_tree(b, 1, 0, config.vocab_size)), start, (params, cache))
+                where = dict(context=context, kernels=kernels, decode_step_ms=step * 1e3)
+                if "verify" in args.stages:
+                    for n in args.nodes:
+                        seconds = loop(verify_body(random_tree(b, n, depth, config.vocab_size)), start, (params, cache))
+                        rows.append(dict(stage="verify", nodes=n, ms=seconds * 1e3, ratio=seconds / step, **where))
+                        print(json.dumps(rows[-1]), flush=True)
+                if "round" not in args.stages:
+                    continue
+                drafter_s = loop(lambda c, ws: jnp.argmax(propose(c, ws)[:, 0], -1).astype(jnp.int32), start,
+                                 (params, dparams, cache, dcache))
+                for method, tree in trees.items():
+                    if method == "weaver":
+                        build_s = loop(weaver_build(64), start, weaver_ws)
+                    else:
+                        options = {"budget": 64} if method == "ddtree" else {}
+                        build_s = loop(lambda c, ws, m=method, o=options: build_tree(
+                            m, c, ws * (1 + 1e-30 * c[:, None, None]), o).tokens[:, -1], start, marginals)
+                    verify_s = loop(verify_body(tree), start, (params, cache))
+                    logits = jax.random.normal(jax.random.key(0), (b, tree.size, config.vocab_size), jnp.float32)
+
+                    def accept_commit(carry, ws, tree=tree):
+                        acc = accept(tree, ws[0] + 1e-30 * carry[0][:, None, None], ws[1], wj.Sampling(), depth)
+                        moved = commit_kv(carry[1], acc.path, acc.length)
+                        return acc.bonus, moved.with_lengths(carry[1].lengths)
+
+                    accept_s = loop(accept_commit, (start, cache), (logits, wj.sequence_keys(0, b)))
+                    rows.append(dict(stage="round", method=method, nodes=tree.size, drafter_ms=drafter_s * 1e3,
+                                     tree_ms=build_s * 1e3, verify_ms=verify_s * 1e3,
+                                     accept_commit_ms=accept_s * 1e3, **where))
+                    print(json.dumps(rows[-1]), flush=True)
+
+    if "tree" in args.stages:
+        head = target.embed[...] if target.lm_head is None else target.lm_head[...].T
+        for budget in args.budgets:
+            build = loop(weaver_build(budget), start, weaver_ws)
+            xs = jax.random.normal(jax.random.key(4), (b * budget, config.hidden_size), jnp.float32).astype(dtype)
+            full = loop(lambda c, ws: c + jnp.argmax((ws[0] * (1 + 1e-30 * c[0]).astype(ws[0].dtype)) @ ws[1].T,
+                                                     -1)[: c.shape[0]].astype(jnp.int32), start, (xs, head))
+            rows.append(dict(stage="weaver_tree", budget=budget, ms=build * 1e3, full_vocab_projections_ms=full * 1e3))
+            print(json.dumps(rows[-1]), flush=True)
     for r in rows:
-        r.update(shape=args.shape, batch=b, context=args.context, device=jax.devices()[0].device_kind)
+        r.update(shape=args.shape, batch=b, device=jax.devices()[0].device_kind)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
