@@ -6,8 +6,8 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
     ancestor mask. Used by the target's forward when kernels are on.
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
-`WEAVER_JAX_KERNELS=1 | 0`. Off by default until the kernels are timed on a GPU (then: on for GPU);
-on a CPU they run in Pallas interpret mode (for tests). The switch is read when a function is
+`WEAVER_JAX_KERNELS=1 | 0`. By default they are on where jax's backend is a GPU (measured faster than
+XLA there, BENCHMARKS.md) and off elsewhere; forced on a CPU they run in Pallas interpret mode (tests). The switch is read when a function is
 traced: `generate` passes it to the jitted `ar_generate` / `spec_generate` as their static
 `kernels` argument, so a change takes effect at the next call; other jitted code sees the value
 it was first traced with.
@@ -45,7 +45,12 @@ def kernels_enabled() -> bool:
         return _scoped[-1]
     if _forced is not None:
         return _forced
-    return os.environ.get("WEAVER_JAX_KERNELS", "0") == "1"
+    flag = os.environ.get("WEAVER_JAX_KERNELS", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    if flag:
+        raise ValueError(f"WEAVER_JAX_KERNELS must be 0 or 1, got {flag!r}")
+    return jax.default_backend() == "gpu"
 
 
 def interpret() -> bool:

@@ -104,3 +104,24 @@ def test_generation_with_kernels_equals_without(method, options, monkeypatch):
             use_kernels(None)
         assert bool(calls) == on
     assert outputs[0] == outputs[1]
+
+
+def test_switch_default_and_environment(monkeypatch):
+    """On by default only on a GPU backend; WEAVER_JAX_KERNELS forces it; a typo is an error."""
+    from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled, use_kernels
+
+    monkeypatch.delenv("WEAVER_JAX_KERNELS", raising=False)
+    assert kernels_enabled() == (jax.default_backend() == "gpu")
+    for flag, on in (("1", True), ("0", False)):
+        monkeypatch.setenv("WEAVER_JAX_KERNELS", flag)
+        assert kernels_enabled() is on
+    use_kernels(True)  # the Python switch wins over the environment, a scope over both
+    try:
+        assert kernels_enabled() is True
+        with kernel_scope(False):
+            assert kernels_enabled() is False
+    finally:
+        use_kernels(None)
+    monkeypatch.setenv("WEAVER_JAX_KERNELS", "yes")
+    with pytest.raises(ValueError, match="WEAVER_JAX_KERNELS must be 0 or 1"):
+        kernels_enabled()
