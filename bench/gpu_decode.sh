@@ -27,6 +27,11 @@ case "$variant" in
   verify-kernels)  # whole verification with the target's attention through XLA vs the Pallas kernel (issue 8)
     python3 bench/verify.py --shape qwen3-8b --contexts 1024 4096 16384 --kernels off on --stages verify \
       --nodes 16 64 256 --json "$OUT/verify_kernels_qwen3-8b.json" ;;
+  accept)  # one round's stages at budget 64, B = 1 and 8, XLA vs the Pallas kernels (issue 8's acceptance + commit goal)
+    for b in 1 8; do
+      python3 bench/verify.py --shape qwen3-8b --batch $b --contexts 1024 --kernels off on --stages round \
+        --json "$OUT/round_qwen3-8b_b$b.json"
+    done ;;
   round-smollm2)  # one round's stages at the SmolLM2 shape with the shipped drafter/adapter sizes (issue 5)
     python3 bench/verify.py --shape smollm2-135m --contexts 512 --stages verify round --nodes 16 64 \
       --drafter-layers 2 --drafter-features 3 --adapter-rank 192 --adapter-heads 3 --adapter-mlp 512 \

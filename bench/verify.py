@@ -34,7 +34,7 @@ import weaver_jax as wj  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
 from weaver_jax.pallas_kernels import kernel_scope  # noqa: E402
-from weaver_jax._speculative import accept, build_tree, commit_kv  # noqa: E402
+from weaver_jax._speculative import accept_and_move, build_tree  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
 
 TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -160,10 +160,10 @@ def main():
                     verify_s = loop(verify_body(tree), start, (params, cache))
                     logits = jax.random.normal(jax.random.key(0), (b, tree.size, config.vocab_size), jnp.float32)
 
-                    def accept_commit(carry, ws, tree=tree):
-                        acc = accept(tree, ws[0] + 1e-30 * carry[0][:, None, None], ws[1], wj.Sampling(), depth)
-                        moved = commit_kv(carry[1], acc.path, acc.length)
-                        return acc.bonus, moved.with_lengths(carry[1].lengths)
+                    def accept_commit(carry, ws, tree=tree):  # the Pallas kernels when --kernels on
+                        logits = ws[0] + 1e-30 * carry[0][:, None, None]
+                        acc, moved = accept_and_move(tree, logits, carry[1], ws[1], wj.Sampling(), depth)
+                        return acc.bonus, moved
 
                     accept_s = loop(accept_commit, (start, cache), (logits, wj.sequence_keys(0, b)))
                     rows.append(dict(stage="round", method=method, nodes=tree.size, drafter_ms=drafter_s * 1e3,

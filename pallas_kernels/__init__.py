@@ -4,6 +4,9 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
   tree_attention: verification's attention of N tree nodes over the committed prefix (split
     across programs, grouped query heads sharing K/V loads) plus the tree's own K/V under the
     ancestor mask. Used by the target's forward when kernels are on.
+  accept_commit: the acceptance walk over per-node target choices and the move of the accepted
+    nodes' K/V into place, in place on the cache (two kernels: walk + gather, scatter). Used by
+    every speculative round when kernels are on.
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
 `WEAVER_JAX_KERNELS=1 | 0`. By default they are on where jax's backend is a GPU (measured faster than

@@ -80,18 +80,24 @@ def test_lowers_for_cuda(shape):
     assert "triton" in text
 
 
-@pytest.mark.parametrize("method, options", [("ar", {}), ("dflash", {}), ("ddtree", {"budget": 10}),
-                                             ("weaver", {"budget": 10})])
-def test_generation_with_kernels_equals_without(method, options, monkeypatch):
-    """The target's forward with the kernel (prefill, decode steps, tree verification) emits the
-    same greedy tokens as with XLA attention, and the kernel is really traced in."""
+@pytest.mark.parametrize("method, options, temperature", [
+    ("ar", {}, 0.0), ("dflash", {}, 0.0), ("ddtree", {"budget": 10}, 0.0), ("weaver", {"budget": 10}, 0.0),
+    ("weaver", {"budget": 10}, 1.0)])
+def test_generation_with_kernels_equals_without(method, options, temperature, monkeypatch):
+    """The target's forward with the tree-attention kernel (prefill, decode steps, verification)
+    and the acceptance + commit kernel emit the same tokens as the XLA paths (greedy, and sampled
+    with the same key), and the kernels are really traced in."""
     import weaver_jax
+    from weaver_jax.pallas_kernels import accept_commit as accept_module
     from weaver_jax.pallas_kernels import tree_attention as module
     from weaver_jax.pallas_kernels import use_kernels
     from weaver_jax.testing import random_bundle
 
-    calls, original = [], module.tree_attention
+    calls, accepts = [], []
+    original, original_accept = module.tree_attention, accept_module.accept_commit
     monkeypatch.setattr(module, "tree_attention", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    monkeypatch.setattr(accept_module, "accept_commit",
+                        lambda *a, **k: accepts.append(1) or original_accept(*a, **k))
     bundle = random_bundle(5, vocab_size=64, block_size=5)
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
     outputs = []
@@ -99,10 +105,12 @@ def test_generation_with_kernels_equals_without(method, options, monkeypatch):
         use_kernels(on)
         try:
             outputs.append(weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=10, eos_token_id=[],
+                                               temperature=temperature, top_k=20 if temperature else 0, seed=3,
                                                **options).tokens)
         finally:
             use_kernels(None)
         assert bool(calls) == on
+        assert bool(accepts) == (on and method != "ar")
     assert outputs[0] == outputs[1]
 
 

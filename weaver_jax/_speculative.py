@@ -25,7 +25,7 @@ from weaver_jax._adapter import weaver_tree
 from weaver_jax._model import KVCache, _write
 from weaver_jax._sampling import Sampling, select
 from weaver_jax._tree import Tree, chain, ddtree
-from weaver_jax.pallas_kernels import kernel_scope
+from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
 
 METHODS = ("dflash", "ddtree", "weaver")
 _GREEDY = Sampling()
@@ -90,13 +90,30 @@ def accept(tree: Tree, logits: jax.Array, keys: jax.Array, sampling: Sampling, m
     """Walk from the root: draw the target's token y at the current node (keyed by node index);
     move to the valid child carrying y, else y is the bonus. logits `[B, N, V]`, keys `[B]`,
     max_depth: the deepest node a builder can make (paths hold at most max_depth + 1 nodes)."""
+    rows = jnp.arange(tree.tokens.shape[0])
+    return walk(tree, lambda cur: select(logits[rows, cur], keys, cur, sampling), max_depth)
+
+
+def node_choices(logits: jax.Array, keys: jax.Array, sampling: Sampling) -> jax.Array:
+    """The token `accept` would draw at every node, `[B, N]` (same keys: `walk` over these takes the
+    same path), for the acceptance kernel, which reads choices instead of logits."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    nodes = jnp.arange(logits.shape[1])
+    return jax.vmap(lambda node_logits, n: select(node_logits, keys, n, sampling), in_axes=(1, 0), out_axes=1)(
+        logits, nodes)
+
+
+def walk(tree: Tree, choose, max_depth: int) -> Acceptance:
+    """The acceptance walk: choose(cur `[B]`) -> the target's token at node cur `[B]`; move to the
+    valid child carrying it (the lowest index if several), else it is the bonus."""
     b = tree.tokens.shape[0]
     n = max_depth + 1
     rows = jnp.arange(b)
 
     def step(i, carry):
         cur, alive, path, length, bonus = carry
-        y = select(logits[rows, cur], keys, cur, sampling)
+        y = choose(cur)
         match = tree.valid & (tree.parent == cur[:, None]) & (tree.tokens == y[:, None])
         found = jnp.any(match, axis=1) & alive
         child = jnp.argmax(match, axis=1).astype(jnp.int32)
@@ -108,6 +125,20 @@ def accept(tree: Tree, logits: jax.Array, keys: jax.Array, sampling: Sampling, m
             jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
     _, _, path, length, bonus = jax.lax.fori_loop(0, n, step, init)
     return Acceptance(path, length, bonus)
+
+
+def accept_and_move(tree: Tree, logits: jax.Array, cache: KVCache, keys: jax.Array, sampling: Sampling,
+                    max_depth: int) -> tuple[Acceptance, KVCache]:
+    """`accept`, and the accepted nodes' K/V moved to `[len, len + length)` (lengths unchanged: the
+    caller advances them by what it emits). With kernels on, one Pallas walk + in-place commit."""
+    if kernels_enabled():
+        from weaver_jax.pallas_kernels import interpret
+        from weaver_jax.pallas_kernels.accept_commit import accept_commit
+
+        return accept_commit(tree, node_choices(logits, keys, sampling), cache, max_depth=max_depth,
+                             interpret=interpret())
+    acc = accept(tree, logits, keys, sampling, max_depth)
+    return acc, commit_kv(cache, acc.path, jnp.zeros_like(acc.length))
 
 
 def commit_kv(cache: KVCache, path: jax.Array, count: jax.Array) -> KVCache:
@@ -234,7 +265,7 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     attend = tree.ancestors()
     verify = p.target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, attend, hidden_layers=p.hidden_ids)
     round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
-    acc = accept(tree, verify.logits, round_keys, sampling, p.depth)
+    acc, moved = accept_and_move(tree, verify.logits, verify.cache, round_keys, sampling, p.depth)
     path = acc.path
 
     new = jnp.take_along_axis(tree.tokens, path, axis=1)  # root first; shift: accepted then bonus
@@ -251,7 +282,7 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     # The root and the first count - 1 accepted nodes enter the cache; the last emitted token
     # (the bonus, unless EOS or max_new_tokens cut the round short) is the next root.
     drafter_cache = p.drafter.commit(s.drafter_cache, features, committed_positions, count)
-    cache = commit_kv(verify.cache, path, count)
+    cache = moved.with_lengths(moved.lengths + count)
     histogram = s.histogram.at[rows, acc.length].add(active.astype(jnp.int32))
     root = jnp.where(active, new[rows, jnp.maximum(count - 1, 0)], s.root)
     root_state = s.root_state
