@@ -33,9 +33,9 @@ import decode as bench  # noqa: E402
 import weaver_jax as wj  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
-from weaver_jax.pallas_kernels import kernel_scope  # noqa: E402
 from weaver_jax._speculative import accept_and_move, build_tree  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
+from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
 
 TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=16, qk_norm=True, family="qwen3")
@@ -138,7 +138,7 @@ def main():
     for context in args.contexts:
         cache, dcache = caches(context)
         for kernels in args.kernels:
-            with kernel_scope(kernels == "on"):
+            with kernel_scope(KERNELS if kernels == "on" else ()):
                 step = loop(verify_body(random_tree(b, 1, 0, config.vocab_size)), start, (params, cache))
                 where = dict(context=context, kernels=kernels, decode_step_ms=step * 1e3)
                 if "verify" in args.stages:

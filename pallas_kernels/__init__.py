@@ -9,11 +9,12 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
     every speculative round when kernels are on.
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
-`WEAVER_JAX_KERNELS=1 | 0`. By default they are on where jax's backend is a GPU (measured faster than
-XLA there, BENCHMARKS.md) and off elsewhere; forced on a CPU they run in Pallas interpret mode (tests). The switch is read when a function is
-traced: `generate` passes it to the jitted `ar_generate` / `spec_generate` as their static
-`kernels` argument, so a change takes effect at the next call; other jitted code sees the value
-it was first traced with.
+`WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off. By default, where jax's backend is a GPU,
+the kernels measured faster than XLA there (`MEASURED`, see BENCHMARKS.md) are on, and none
+elsewhere; forced on a CPU they run in Pallas interpret mode (tests). The selection is read when a
+function is traced: `generate` passes `enabled_kernels()` to the jitted `ar_generate` /
+`spec_generate` as their static `kernels` argument, so a change takes effect at the next call;
+other jitted code sees the selection it was first traced with.
 """
 
 from __future__ import annotations
@@ -23,37 +24,48 @@ import os
 
 import jax
 
+KERNELS = ("tree_attention", "accept_commit")
+MEASURED = ("tree_attention",)  # on by default on GPUs; accept_commit joins once timed there
 _forced: bool | None = None
-_scoped: list[bool] = []
+_scoped: list[tuple[str, ...]] = []
 
 
 def use_kernels(on: bool | None) -> None:
-    """Force the Pallas kernels on or off (None: back to the environment / default)."""
+    """Force every Pallas kernel on or off (None: back to the environment / default)."""
     global _forced
     _forced = on
 
 
 @contextlib.contextmanager
-def kernel_scope(on: bool):
-    """Inside: `kernels_enabled()` is `on` (the jitted generators trace their body in one)."""
-    _scoped.append(on)
+def kernel_scope(kernels: tuple[str, ...]):
+    """Inside: `enabled_kernels()` is `kernels` (the jitted generators trace their body in one)."""
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; available: {list(KERNELS)}")
+    _scoped.append(tuple(kernels))
     try:
         yield
     finally:
         _scoped.pop()
 
 
-def kernels_enabled() -> bool:
+def enabled_kernels() -> tuple[str, ...]:
     if _scoped:
         return _scoped[-1]
     if _forced is not None:
-        return _forced
+        return KERNELS if _forced else ()
     flag = os.environ.get("WEAVER_JAX_KERNELS", "")
     if flag in ("0", "1"):
-        return flag == "1"
+        return KERNELS if flag == "1" else ()
     if flag:
         raise ValueError(f"WEAVER_JAX_KERNELS must be 0 or 1, got {flag!r}")
-    return jax.default_backend() == "gpu"
+    return MEASURED if jax.default_backend() == "gpu" else ()
+
+
+def kernels_enabled(name: str) -> bool:
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; available: {list(KERNELS)}")
+    return name in enabled_kernels()
 
 
 def interpret() -> bool:

@@ -30,6 +30,17 @@ def random_tree(rng, batch, nodes, max_depth, padding, alphabet):
                 jnp.asarray(depth, jnp.int32), jnp.asarray(valid))
 
 
+def follow_children(rng, tree, alphabet):
+    """Per-node target choices that mostly name a valid child's token (long paths), else anything."""
+    tokens, parent, valid = (np.asarray(x) for x in (tree.tokens, tree.parent, tree.valid))
+    choice = rng.integers(0, alphabet, tokens.shape)
+    for r, i in np.ndindex(*tokens.shape):
+        children = np.flatnonzero((parent[r] == i) & valid[r])
+        if len(children) and rng.random() < 0.8:
+            choice[r, i] = tokens[r, rng.choice(children)]
+    return jnp.asarray(choice, jnp.int32)
+
+
 CASES = [  # batch, nodes, max depth, padding, layers, kv heads, head dim, cache slots, dtype
     (1, 1, 3, 0, 2, 1, 16, 8, jnp.float32),
     (3, 9, 4, 2, 2, 2, 16, 40, jnp.float32),
@@ -44,14 +55,14 @@ def test_kernel_matches_reference(case):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     tree = random_tree(rng, b, n, depth, padding, alphabet=2)
-    # choices mostly follow an existing child, so paths are long; sometimes not
-    choice = jnp.asarray(rng.integers(0, 3 if n > 1 else 2, (b, n)), jnp.int32)
-    lengths = jnp.asarray(rng.integers(0, s - n + 1, b), jnp.int32)
+    choice = follow_children(rng, tree, alphabet=3)
+    lengths = jnp.asarray(rng.integers(0, s - max(n, depth + 1) + 1, b), jnp.int32)  # the tree's slots fit
     layer = lambda: jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)  # noqa: E731
     cache = KVCache(tuple(layer() for _ in range(layers)), tuple(layer() for _ in range(layers)), lengths)
-    before = jax.tree.map(np.asarray, cache)
+    before = jax.tree.map(lambda x: np.array(x, copy=True), cache)
     ref_acc, ref_cache = accept_commit_reference(tree, choice, cache, max_depth=depth)
-    acc, out = accept_commit(tree, choice, jax.tree.map(jnp.array, cache), max_depth=depth, interpret=True)
+    acc, out = accept_commit(tree, choice, jax.tree.map(lambda x: jnp.array(x, copy=True), cache), max_depth=depth,
+                             interpret=True)
     msg = f"seed {seed}"
     for got, want in zip(acc, ref_acc, strict=True):
         np.testing.assert_array_equal(got, want, err_msg=msg)

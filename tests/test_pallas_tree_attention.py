@@ -115,21 +115,29 @@ def test_generation_with_kernels_equals_without(method, options, temperature, mo
 
 
 def test_switch_default_and_environment(monkeypatch):
-    """On by default only on a GPU backend; WEAVER_JAX_KERNELS forces it; a typo is an error."""
-    from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled, use_kernels
+    """By default only the measured kernels, and only on a GPU backend; WEAVER_JAX_KERNELS or
+    use_kernels forces all of them on or off; a scope wins over both; typos are errors."""
+    import weaver_jax.pallas_kernels as kernels
+    from weaver_jax.pallas_kernels import KERNELS, MEASURED, enabled_kernels, kernel_scope, kernels_enabled, use_kernels
 
     monkeypatch.delenv("WEAVER_JAX_KERNELS", raising=False)
-    assert kernels_enabled() == (jax.default_backend() == "gpu")
-    for flag, on in (("1", True), ("0", False)):
+    assert enabled_kernels() == (MEASURED if jax.default_backend() == "gpu" else ())
+    monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
+    assert enabled_kernels() == MEASURED and kernels_enabled("tree_attention") and not kernels_enabled("accept_commit")
+    for flag, on in (("1", KERNELS), ("0", ())):
         monkeypatch.setenv("WEAVER_JAX_KERNELS", flag)
-        assert kernels_enabled() is on
-    use_kernels(True)  # the Python switch wins over the environment, a scope over both
+        assert enabled_kernels() == on
+    use_kernels(True)
     try:
-        assert kernels_enabled() is True
-        with kernel_scope(False):
-            assert kernels_enabled() is False
+        assert enabled_kernels() == KERNELS
+        with kernel_scope(()):
+            assert not kernels_enabled("tree_attention")
     finally:
         use_kernels(None)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernels_enabled("flash")
+    with pytest.raises(ValueError, match="unknown kernels"), kernel_scope(("flash",)):
+        pass
     monkeypatch.setenv("WEAVER_JAX_KERNELS", "yes")
     with pytest.raises(ValueError, match="WEAVER_JAX_KERNELS must be 0 or 1"):
-        kernels_enabled()
+        enabled_kernels()

@@ -20,7 +20,7 @@ from flax import nnx
 
 from weaver_jax._model import KVCache
 from weaver_jax._sampling import Sampling, select
-from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
+from weaver_jax.pallas_kernels import enabled_kernels, kernel_scope
 
 _GREEDY = Sampling()
 
@@ -69,14 +69,14 @@ def ar_generate(
     max_new_tokens: int,
     sampling: Sampling = _GREEDY,
     eos_ids: tuple[int, ...] = (),
-    kernels: bool = False,
+    kernels: tuple[str, ...] = (),
 ) -> AROutput:
     """Prefill `prompts [B, T]` (right-padded; real lengths `prompt_lengths [B]`) after whatever
     `cache` already holds, then decode up to `max_new_tokens` per sequence.
 
     graphdef, params = `nnx.split(target)`. keys `[B]`: one PRNG key per sequence.
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
-    slots; it is donated. kernels: attention through the Pallas tree-attention kernel.
+    slots; it is donated. kernels: the Pallas kernels to use (names).
     """
     with kernel_scope(kernels):
         return _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids)
@@ -227,7 +227,7 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     keys = sequence_keys(seed, len(prompts))
     graphdef, params = nnx.split(bundle.target)
     static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids,
-                  kernels=kernels_enabled())
+                  kernels=enabled_kernels())
     if method == "ar":
         size = _round_up(padded_len + max_new_tokens, 128)
         fn, args = ar_generate, [params, KVCache.init(config, len(prompts), size)]

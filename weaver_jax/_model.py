@@ -262,7 +262,7 @@ class Transformer(nnx.Module):
             attend = causal_attend(b, t)
         x = jnp.take(self.embed[...], tokens, axis=0)
         d = self.config.head_dim
-        kernel = kernels_enabled() and d >= 16 and d & (d - 1) == 0  # the kernel's tiles need 2^k >= 16
+        kernel = kernels_enabled("tree_attention") and d >= 16 and d & (d - 1) == 0  # the kernel's tiles need 2^k >= 16
         x, hidden, new_cache = run_blocks(self.layers, x, positions, rope_frequencies(self.config), cache, attend,
                                           hidden_layers, kernel=kernel)
         if logits_rows is not None:

@@ -131,7 +131,7 @@ def accept_and_move(tree: Tree, logits: jax.Array, cache: KVCache, keys: jax.Arr
                     max_depth: int) -> tuple[Acceptance, KVCache]:
     """`accept`, and the accepted nodes' K/V moved to `[len, len + length)` (lengths unchanged: the
     caller advances them by what it emits). With kernels on, one Pallas walk + in-place commit."""
-    if kernels_enabled():
+    if kernels_enabled("accept_commit"):
         from weaver_jax.pallas_kernels import interpret
         from weaver_jax.pallas_kernels.accept_commit import accept_commit
 
@@ -143,7 +143,8 @@ def accept_and_move(tree: Tree, logits: jax.Array, cache: KVCache, keys: jax.Arr
 
 def commit_kv(cache: KVCache, path: jax.Array, count: jax.Array) -> KVCache:
     """Move the K/V of the first `count [B]` path nodes (scratch slots `len + path`) to
-    `[len, len + count)` and advance `len` by `count`. Slots past the new length are free space."""
+    `[len, len + count)` and advance `len` by `count`. Slots past the new length are free space.
+    Writes all P rows from `len`, so it needs `len + P <= S` (generate's caches leave room for a tree)."""
     src = cache.lengths[:, None] + path  # [B, P]
 
     def move(layer):
@@ -302,13 +303,13 @@ _STATIC = ("graphdef", "drafter_graphdef", "adapter_graphdef", "method", "option
 def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
                   adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                   options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-                  eos_ids: tuple[int, ...] = (), kernels: bool = False) -> SpecOutput:
+                  eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = ()) -> SpecOutput:
     """Speculative counterpart of `ar_generate` (same prompt, cache and key conventions).
 
     options: the static method options as a sorted tuple of (name, value) (`tree_options`). The
     target cache needs `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens +
-    block_size`. "weaver" also takes the adapter's params and graphdef. kernels: the target's
-    attention through the Pallas tree-attention kernel."""
+    block_size`. "weaver" also takes the adapter's params and graphdef. kernels: the Pallas kernels to
+    use (`weaver_jax.pallas_kernels.KERNELS` names)."""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
                    options)
@@ -323,7 +324,7 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
 def spec_first_round(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
                      adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                      options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-                     eos_ids: tuple[int, ...] = (), kernels: bool = False) -> tuple[Tree, Acceptance]:
+                     eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = ()) -> tuple[Tree, Acceptance]:
     """The prefill and the first round of `spec_generate` (same arguments), for looking inside:
     -> (the proposal tree `[B, N]`, its acceptance: path `[B, K + 1]` of node indices, root first)."""
     with kernel_scope(kernels):
