@@ -7,6 +7,9 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
   accept_commit: the acceptance walk over per-node target choices and the move of the accepted
     nodes' K/V into place, in place on the cache (two kernels: walk + gather, scatter). Used by
     every speculative round when kernels are on.
+  adapter_attention: the Weaver adapter's node attention over the prefix and the node's ancestors,
+    gathered by slot (`visible_slots`) instead of masking the whole tree. Used by the adapter's
+    node steps when kernels are on.
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
 `WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off. By default, where jax's backend is a GPU,
@@ -24,8 +27,8 @@ import os
 
 import jax
 
-KERNELS = ("tree_attention", "accept_commit")
-MEASURED = ("tree_attention",)  # on by default on GPUs; accept_commit joins once timed there
+KERNELS = ("tree_attention", "accept_commit", "adapter_attention")
+MEASURED = ("tree_attention",)  # on by default on GPUs; the others join once timed there
 _forced: bool | None = None
 _scoped: list[tuple[str, ...]] = []
 

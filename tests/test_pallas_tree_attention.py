@@ -84,20 +84,24 @@ def test_lowers_for_cuda(shape):
     ("ar", {}, 0.0), ("dflash", {}, 0.0), ("ddtree", {"budget": 10}, 0.0), ("weaver", {"budget": 10}, 0.0),
     ("weaver", {"budget": 10}, 1.0)])
 def test_generation_with_kernels_equals_without(method, options, temperature, monkeypatch):
-    """The target's forward with the tree-attention kernel (prefill, decode steps, verification)
-    and the acceptance + commit kernel emit the same tokens as the XLA paths (greedy, and sampled
-    with the same key), and the kernels are really traced in."""
+    """The target's forward with the tree-attention kernel (prefill, decode steps, verification),
+    the acceptance + commit kernel and the adapter-attention kernel emit the same tokens as the XLA
+    paths (greedy, and sampled with the same key), and the kernels are really traced in."""
     import weaver_jax
     from weaver_jax.pallas_kernels import accept_commit as accept_module
+    from weaver_jax.pallas_kernels import adapter_attention as adapter_module
     from weaver_jax.pallas_kernels import tree_attention as module
     from weaver_jax.pallas_kernels import use_kernels
     from weaver_jax.testing import random_bundle
 
-    calls, accepts = [], []
+    calls, accepts, adapters = [], [], []
     original, original_accept = module.tree_attention, accept_module.accept_commit
+    original_adapter = adapter_module.adapter_attention
     monkeypatch.setattr(module, "tree_attention", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
     monkeypatch.setattr(accept_module, "accept_commit",
                         lambda *a, **k: accepts.append(1) or original_accept(*a, **k))
+    monkeypatch.setattr(adapter_module, "adapter_attention",
+                        lambda *a, **k: adapters.append(1) or original_adapter(*a, **k))
     bundle = random_bundle(5, vocab_size=64, block_size=5)
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
     outputs = []
@@ -111,6 +115,7 @@ def test_generation_with_kernels_equals_without(method, options, temperature, mo
             use_kernels(None)
         assert bool(calls) == on
         assert bool(accepts) == (on and method != "ar")
+        assert bool(adapters) == (on and method == "weaver")
     assert outputs[0] == outputs[1]
 
 

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from weaver_jax._config import ModelConfig
-from weaver_jax._model import Block, KVCache, _param, rms_norm, rope_frequencies, run_blocks
+from weaver_jax._model import Block, KVCache, SlotVisibility, _param, rms_norm, rope_frequencies, run_blocks
 from weaver_jax._tree import Tree, batched_best_first
+from weaver_jax.pallas_kernels import kernels_enabled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,10 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
     """The path-dependent child scorer for `batched_best_first`. pool_ids, pool_logits `[B, K, P]`:
     the drafter's top-P candidates per depth and their logits."""
     k = pool_ids.shape[1]
+    head_dim = adapter.config.d_rank // adapter.config.num_heads
+    slot_kernel = kernels_enabled("adapter_attention") and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    if slot_kernel:
+        from weaver_jax.pallas_kernels.adapter_attention import visible_slots
 
     def score(state: WeaverState, tree: Tree, nodes: jax.Array):
         b, w = nodes.shape
@@ -161,7 +166,10 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
         inherited = jnp.where((parent >= 0)[:, :, None], state.ancestors[rows, jnp.maximum(parent, 0)], False)
         own = inherited | jax.nn.one_hot(nodes, n, dtype=bool)  # [B, w, N]
         ancestors = state.ancestors.at[rows, nodes].set(own)
-        visible = jnp.concatenate([jnp.ones((b, w, prefix_len), bool), own], axis=2)
+        if slot_kernel:
+            visible = SlotVisibility(visible_slots(own, prefix_len, max_depth=k))
+        else:
+            visible = jnp.concatenate([jnp.ones((b, w, prefix_len), bool), own], axis=2)
         depth = jnp.take_along_axis(tree.depth, nodes, axis=1)
         u, cache = adapter.node_states(tables, state.cache, jnp.take_along_axis(tree.tokens, nodes, axis=1), depth,
                                        prefix_len + nodes[:, 0], visible)

@@ -162,6 +162,11 @@ class Attention(nnx.Module):
             from weaver_jax.pallas_kernels.tree_attention import tree_attention
 
             o = tree_attention(q, k_cache, v_cache, lengths, mask.attend, interpret=interpret())
+        elif isinstance(mask, SlotVisibility):  # the Pallas kernel gathering each query's slots
+            from weaver_jax.pallas_kernels import interpret
+            from weaver_jax.pallas_kernels.adapter_attention import adapter_attention
+
+            o = adapter_attention(q, k_cache, v_cache, mask.slots, interpret=interpret())
         else:
             o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
         return o.astype(x.dtype).reshape(b, t, h * d) @ self.out[...], k_cache, v_cache
@@ -277,11 +282,18 @@ class TreeVisibility(NamedTuple):
     attend: jax.Array
 
 
+class SlotVisibility(NamedTuple):
+    """Visibility as the cache slots each new token sees, `slots [B, T, L]` (-1: none), for the
+    adapter-attention kernel (which gathers those rows instead of masking all S)."""
+
+    slots: jax.Array
+
+
 def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_layers=(), mask=None,
                kernel: bool = False):
     """The layer stack shared by target, drafter and adapter: returns the last output, the outputs
     of `hidden_layers`, and the cache with the new K/V written at `[lengths, lengths + T)` (lengths
-    unchanged). `mask [B, T, S]` overrides the committed-prefix + `attend` visibility; `kernel`
+    unchanged). `mask [B, T, S]` (or a `SlotVisibility`) overrides the committed-prefix + `attend` visibility; `kernel`
     computes that visibility inside the Pallas tree-attention kernel instead."""
     if mask is None:
         mask = TreeVisibility(attend) if kernel else visibility_mask(cache.lengths, attend, cache.size)
