@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from weaver_jax.pallas_kernels.adapter_attention import (adapter_attention, adapter_attention_reference,
-                                                         visible_slots)
+from weaver_jax.pallas_kernels.adapter_attention import adapter_attention, adapter_attention_reference, visible_slots
 
 
 def random_own(rng, batch, width, nodes, max_depth):
