@@ -92,10 +92,12 @@ def _scatter_kernel(len_ref, length_ref, *refs, layers: int, p: int):
         plgpu.store(out.at[b, dst[:, None], h, jnp.arange(d)[None, :]], row[...], mask=taken)
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "interpret"), donate_argnames=("cache",))
-def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, interpret: bool = False
-                  ) -> tuple[Acceptance, KVCache]:
-    """The walk and the commit in two Pallas kernels (see the module docstring); `cache` is donated."""
+@functools.partial(jax.jit, static_argnames=("max_depth", "interpret", "poison"), donate_argnames=("cache",))
+def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, interpret: bool = False,
+                  poison: bool = False) -> tuple[Acceptance, KVCache]:
+    """The walk and the commit in two Pallas kernels (see the module docstring); `cache` is donated.
+    poison (tests): the walk's outputs and row buffers start as -7 / NaN, so an element no program
+    writes cannot pass."""
     tokens, parent, valid = tree.tokens, tree.parent, tree.valid
     caches, lengths = cache.k + cache.v, cache.lengths
     b, n = tokens.shape
@@ -114,15 +116,26 @@ def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, interpr
     whole = pl.BlockSpec()  # the full cache: rows are addressed inside the kernel
     rows_spec = pl.BlockSpec((None, p_pad, None, d), lambda i, h: (i, 0, h, 0))
     params = plgpu.CompilerParams(num_warps=1, num_stages=1)
+    out_specs = [pl.BlockSpec((None, p_pad), lambda i, h: (i, 0)), scalar, scalar] + [rows_spec] * layers
+    out_shape = ([jax.ShapeDtypeStruct((b, p_pad), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+                  jax.ShapeDtypeStruct((b,), jnp.int32)]
+                 + [jax.ShapeDtypeStruct((b, p_pad, kv, d), c.dtype) for c in caches])
+    in_specs, args = [scalar, row, row, row, row] + [whole] * layers, [lengths, *tree_rows, *caches]
+    kernel = functools.partial(_walk_gather_kernel, layers=layers, steps=p, p=p_pad)
+    aliases = {}
+    if poison:
+        inputs = len(args)
+        in_specs += out_specs
+        args += [jnp.full(o.shape, -7 if o.dtype == jnp.int32 else jnp.nan, o.dtype) for o in out_shape]
+        aliases = {inputs + i: i for i in range(len(out_shape))}
+
+        def kernel(*refs, inner=kernel):
+            inner(*refs[:inputs], *refs[inputs + len(out_shape):])
+
     path, length, bonus, *rows = pl.pallas_call(
-        functools.partial(_walk_gather_kernel, layers=layers, steps=p, p=p_pad), grid=grid,
-        in_specs=[scalar, row, row, row, row] + [whole] * layers,
-        out_specs=[pl.BlockSpec((None, p_pad), lambda i, h: (i, 0)), scalar, scalar] + [rows_spec] * layers,
-        out_shape=[jax.ShapeDtypeStruct((b, p_pad), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
-                   jax.ShapeDtypeStruct((b,), jnp.int32)]
-                  + [jax.ShapeDtypeStruct((b, p_pad, kv, d), c.dtype) for c in caches],
-        interpret=interpret, name="accept_walk_gather", compiler_params=params,
-    )(lengths, *tree_rows, *caches)
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases, interpret=interpret, name="accept_walk_gather", compiler_params=params,
+    )(*args)
     caches = pl.pallas_call(
         functools.partial(_scatter_kernel, layers=layers, p=p_pad), grid=grid,
         in_specs=[scalar, scalar] + [rows_spec] * layers + [whole] * layers,

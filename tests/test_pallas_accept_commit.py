@@ -1,6 +1,7 @@
 """Acceptance + commit: the Pallas walk and in-place K/V move (interpret mode on CPU) equal the
-plain-JAX walk and `commit_kv` on fresh random trees, touch no slot outside the accepted rows, and
-lower for CUDA (Triton) at the shapes the library uses."""
+plain-JAX walk and `commit_kv` on fresh random trees (the walk's outputs poisoned, so unwritten
+elements fail), touch no slot outside the accepted rows, and lower for CUDA (Triton) at the shapes
+the library uses."""
 
 import os
 
@@ -36,7 +37,7 @@ def follow_children(rng, tree, alphabet):
     choice = rng.integers(0, alphabet, tokens.shape)
     for r, i in np.ndindex(*tokens.shape):
         children = np.flatnonzero((parent[r] == i) & valid[r])
-        if len(children) and rng.random() < 0.8:
+        if len(children) and (i == 0 or rng.random() < 0.8):  # the root always: every walk moves
             choice[r, i] = tokens[r, rng.choice(children)]
     return jnp.asarray(choice, jnp.int32)
 
@@ -62,7 +63,7 @@ def test_kernel_matches_reference(case):
     before = jax.tree.map(lambda x: np.array(x, copy=True), cache)
     ref_acc, ref_cache = accept_commit_reference(tree, choice, cache, max_depth=depth)
     acc, out = accept_commit(tree, choice, jax.tree.map(lambda x: jnp.array(x, copy=True), cache), max_depth=depth,
-                             interpret=True)
+                             interpret=True, poison=True)
     msg = f"seed {seed}"
     for got, want in zip(acc, ref_acc, strict=True):
         np.testing.assert_array_equal(got, want, err_msg=msg)
