@@ -14,7 +14,9 @@
 #                                                 # TAU_BUDGETS="64" to take those budgets first)
 #   bash bench/gpu_train.sh speed 8               # B = 1 tokens/s over 8 prompts: ar, dflash, ddtree, weaver
 #
-# Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`.
+# Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`. Chain
+# them in one invocation: the stages' time limits count from the script's start ($SECONDS), so a
+# second invocation in the same call would think it has the whole 10 minutes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 STAGE=${WEAVER_STAGE:-$HOME/weaver_stage}
