@@ -1,6 +1,8 @@
 """Tree attention: the Pallas kernel against the XLA reference and the K/V read floor (issue 8).
 
     python bench/tree_attention.py --json out.json
+    python bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 \
+        --block-r 32 64 128 --block-k 32 64 --chunk 256 1024 --warps 4 8 --stages 2 3   # a tuning sweep
 
 Qwen3-8B shape (32 query / 8 K/V heads, head dim 128, bf16), one layer: prefix 1K / 4K / 16K, tree
 nodes 16 / 64 / 256, batch 1 and 8. Each is timed inside a `fori_loop` with a loop-carried
@@ -11,6 +13,7 @@ Floor: reading the prefix's K/V once at 3.7 TB/s.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -31,8 +34,11 @@ def main():
     parser.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--block-k", type=int, default=64)
+    parser.add_argument("--chunk", type=int, nargs="+", default=[512])
+    parser.add_argument("--block-k", type=int, nargs="+", default=[64])
+    parser.add_argument("--block-r", type=int, nargs="+", default=[64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2])
     parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="query heads, K/V heads, head dim")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     parser.add_argument("--json", type=Path)
@@ -49,19 +55,28 @@ def main():
                 v_cache = jax.random.normal(keys[2], (b, s, kv, d), jnp.bfloat16)
                 lengths = jnp.full((b,), prefix, jnp.int32)
                 ancestors = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
-                kernel = lambda q, ws: tree_attention(q, *ws, block_k=args.block_k, chunk=args.chunk,  # noqa: E731
-                                                      interpret=args.interpret)
-                error = float(jnp.abs(kernel(q, (k_cache, v_cache, lengths, ancestors))
-                                      - tree_attention_reference(q, k_cache, v_cache, lengths, ancestors)).max())
-                row = dict(batch=b, prefix=prefix, nodes=n, max_abs_error=error,
-                           floor_ms=2 * b * prefix * kv * d * 2 / 3.7e12 * 1e3)
-                for name, fn in (("kernel", kernel), ("xla", lambda q, ws: tree_attention_reference(q, *ws))):
-                    body = lambda c, ws, fn=fn: (c + 1e-3 * fn(c, ws).astype(c.dtype)).astype(c.dtype)  # noqa: E731
-                    row[f"{name}_ms"] = [bench._looped_seconds(body, q, (k_cache, v_cache, lengths, ancestors), 8, 3)
-                                         * 1e3 for _ in range(2)]
-                row["speedup"] = float(np.mean(row["xla_ms"]) / np.mean(row["kernel_ms"]))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                ws = (k_cache, v_cache, lengths, ancestors)
+                ref = tree_attention_reference(q, *ws)
+
+                def timed(fn):
+                    body = lambda c, ws: (c + 1e-3 * fn(c, ws).astype(c.dtype)).astype(c.dtype)  # noqa: E731
+                    return [bench._looped_seconds(body, q, ws, 8, 3) * 1e3 for _ in range(2)]
+
+                xla = timed(lambda q, ws: tree_attention_reference(q, *ws))
+                for tiles in itertools.product(args.block_r, args.block_k, args.chunk, args.warps, args.stages):
+                    options = dict(zip(("block_r", "block_k", "chunk", "num_warps", "num_stages"), tiles, strict=True))
+                    kernel = lambda q, ws, o=options: tree_attention(q, *ws, interpret=args.interpret, **o)  # noqa: E731
+                    try:
+                        error = float(jnp.abs(kernel(q, ws) - ref).max())
+                        row = dict(kernel_ms=timed(kernel), max_abs_error=error)
+                    except Exception as e:  # a configuration Triton rejects (e.g. out of shared memory)
+                        row = dict(failed=f"{type(e).__name__}: {str(e)[:200]}")
+                    row.update(batch=b, prefix=prefix, nodes=n, **options, xla_ms=xla,
+                               floor_ms=2 * b * prefix * kv * d * 2 / 3.7e12 * 1e3)
+                    if "kernel_ms" in row:
+                        row["speedup"] = float(np.mean(xla) / np.mean(row["kernel_ms"]))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

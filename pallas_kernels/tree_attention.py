@@ -68,7 +68,8 @@ def _pow2_at_least(n: int, low: int) -> int:
     return max(low, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def _prefix_partials(qg, k_cache, v_cache, lengths, *, block_r, block_k, chunk, interpret, poison):
+def _prefix_partials(qg, k_cache, v_cache, lengths, *, block_r, block_k, chunk, num_warps, num_stages, interpret,
+                     poison):
     """qg `[B, H_kv, R, D]` -> o `[B, H_kv, J, R, D]`, m, l `[B, H_kv, J, R]` (J = S / chunk)."""
     b, kv, r, d = qg.shape
     splits = k_cache.shape[1] // chunk
@@ -96,14 +97,16 @@ def _prefix_partials(qg, k_cache, v_cache, lengths, *, block_r, block_k, chunk, 
 
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=shapes,
                           input_output_aliases=aliases, interpret=interpret, name="tree_attention_prefix",
-                          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))(*args)
+                          compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "chunk", "interpret", "poison"))
-def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_k: int = 64, chunk: int = 512,
-                   interpret: bool = False, poison: bool = False):
+@functools.partial(jax.jit, static_argnames=("block_r", "block_k", "chunk", "num_warps", "num_stages", "interpret",
+                                             "poison"))
+def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64, block_k: int = 64, chunk: int = 512,
+                   num_warps: int = 4, num_stages: int = 2, interpret: bool = False, poison: bool = False):
     """Tree attention with the prefix in the Pallas kernel (see the module docstring).
-    block_k: keys per inner step; chunk: prefix slots per program (both rounded to fit S)."""
+    block_r: (node, head) rows per program (at most); block_k: keys per inner step; chunk: prefix
+    slots per program (both rounded to fit S); num_warps, num_stages: Triton's launch parameters."""
     b, n, h, d = q.shape
     s_len, kv = k_cache.shape[1], k_cache.shape[2]
     g = h // kv
@@ -117,12 +120,12 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_k: int = 64
     chunk = max(block_k, math.gcd(s_len, _pow2_at_least(chunk, block_k)))
     # Rows: node-major (node, head) pairs of one K/V head, padded to the row block.
     rows = n * g
-    block_r = min(64, _pow2_at_least(rows, 16))
+    block_r = min(_pow2_at_least(block_r, 16), _pow2_at_least(rows, 16))
     rows_padded = -(-rows // block_r) * block_r
     qg = q.reshape(b, n, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, rows, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
     o_p, m_p, l_p = _prefix_partials(qg, k_cache, v_cache, lengths, block_r=block_r, block_k=block_k, chunk=chunk,
-                                     interpret=interpret, poison=poison)
+                                     num_warps=num_warps, num_stages=num_stages, interpret=interpret, poison=poison)
     def unrow(x):  # [B, H_kv, J, R_padded, (D)] -> [B, H_kv, J, N, G, (D)]
         return x[:, :, :, :rows].reshape(*x.shape[:3], n, g, *x.shape[4:])
 
