@@ -29,6 +29,12 @@ import decode as bench  # noqa: E402
 from weaver_jax.pallas_kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 
 
+def timed(fn, q, ws) -> list[float]:
+    """ms per call of fn(q, ws), twice, inside a loop whose carry depends on the output."""
+    body = lambda c, ws: (c + 1e-3 * fn(c, ws).astype(c.dtype)).astype(c.dtype)  # noqa: E731
+    return [bench._looped_seconds(body, q, ws, 8, 3) * 1e3 for _ in range(2)]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -57,18 +63,13 @@ def main():
                 ancestors = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
                 ws = (k_cache, v_cache, lengths, ancestors)
                 ref = tree_attention_reference(q, *ws)
-
-                def timed(fn):
-                    body = lambda c, ws: (c + 1e-3 * fn(c, ws).astype(c.dtype)).astype(c.dtype)  # noqa: E731
-                    return [bench._looped_seconds(body, q, ws, 8, 3) * 1e3 for _ in range(2)]
-
-                xla = timed(lambda q, ws: tree_attention_reference(q, *ws))
+                xla = timed(lambda q, ws: tree_attention_reference(q, *ws), q, ws)
                 for tiles in itertools.product(args.block_r, args.block_k, args.chunk, args.warps, args.stages):
                     options = dict(zip(("block_r", "block_k", "chunk", "num_warps", "num_stages"), tiles, strict=True))
                     kernel = lambda q, ws, o=options: tree_attention(q, *ws, interpret=args.interpret, **o)  # noqa: E731
                     try:
                         error = float(jnp.abs(kernel(q, ws) - ref).max())
-                        row = dict(kernel_ms=timed(kernel), max_abs_error=error)
+                        row = dict(kernel_ms=timed(kernel, q, ws), max_abs_error=error)
                     except Exception as e:  # a configuration Triton rejects (e.g. out of shared memory)
                         row = dict(failed=f"{type(e).__name__}: {str(e)[:200]}")
                     row.update(batch=b, prefix=prefix, nodes=n, **options, xla_ms=xla,
