@@ -42,8 +42,7 @@ def main():
     data = dict(tokens=rng.integers(0, c.vocab_size, (n, t)).astype(np.int32),
                 prompt_lengths=np.full(n, 100, np.int32), lengths=np.full(n, t, np.int32))
     dconfig = DrafterConfig.like(c, num_layers=2, num_features=3, mask_token_id=16)  # the CLI's defaults
-    aconfig = AdapterConfig(d_model=c.hidden_size, d_embed=c.hidden_size, d_rank=192, num_layers=2, num_heads=3,
-                            mlp_dim=512, K=15)
+    aconfig = AdapterConfig.like(c, d_rank=192, num_layers=2, num_heads=3, mlp_dim=512, K=15)
     rows = []
 
     def probe(kind, batch, module, loss_for, frozen):

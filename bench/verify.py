@@ -81,11 +81,9 @@ def main():
                                  num_features=args.drafter_features or args.drafter_layers, block_size=args.block,
                                  mask_token_id=config.vocab_size - 1, dtype=config.dtype)
     drafter = bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1)))
-    aconfig = AdapterConfig(d_model=config.hidden_size, d_embed=config.hidden_size, d_rank=args.adapter_rank,
-                            num_layers=args.adapter_layers,
-                            num_heads=args.adapter_heads or max(1, args.adapter_rank // 128),
-                            mlp_dim=args.adapter_mlp or 4 * args.adapter_rank, K=args.block - 1,
-                            candidate_pool_size=min(512, config.vocab_size), dtype=dtype)
+    aconfig = AdapterConfig.like(config, d_rank=args.adapter_rank, num_layers=args.adapter_layers,
+                                 num_heads=args.adapter_heads or max(1, args.adapter_rank // 128),
+                                 mlp_dim=args.adapter_mlp or 4 * args.adapter_rank, K=args.block - 1, dtype=dtype)
     adapter = bench.random_module(lambda: Adapter(aconfig, rngs=nnx.Rngs(2)))
     agraphdef, aparams = nnx.split(adapter)
     graphdef, params = nnx.split(target)

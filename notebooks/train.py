@@ -118,9 +118,9 @@ print("chain tau, trained drafter:", tau(drafter))
 # ## The adapter (drafter frozen)
 
 # %%
-adapter_config = AdapterConfig(d_model=c.hidden_size, d_embed=c.hidden_size, d_rank=192 if FULL else 64,
-                               num_layers=2 if FULL else 1, num_heads=3 if FULL else 1, mlp_dim=512 if FULL else 128,
-                               K=15, candidate_pool_size=512 if FULL else 64)
+adapter_config = AdapterConfig.like(c, d_rank=192 if FULL else 64, num_layers=2 if FULL else 1,
+                                    num_heads=3 if FULL else 1, mlp_dim=512 if FULL else 128, K=15,
+                                    candidate_pool_size=512 if FULL else 64)
 adapter = Adapter(adapter_config, rngs=nnx.Rngs(1))
 budget = 16
 print("weaver tau, untrained adapter:", tau(drafter, adapter, "weaver", budget=budget))

@@ -53,6 +53,16 @@ class AdapterConfig:
         if self.d_rank % self.num_heads or (self.d_rank // self.num_heads) % 2:
             raise ValueError(f"d_rank={self.d_rank} must split into {self.num_heads} heads of even width")
 
+    @classmethod
+    def like(cls, target: ModelConfig, *, d_rank: int, num_layers: int, num_heads: int, mlp_dim: int, K: int,  # noqa: N803
+             candidate_pool_size: int = 512, dtype: str = "float32") -> AdapterConfig:
+        """An adapter reading `target`'s states and embeddings (widths and norm epsilon from it; the
+        pool capped at its vocabulary)."""
+        return cls(d_model=target.hidden_size, d_embed=target.hidden_size, d_rank=d_rank, num_layers=num_layers,
+                   num_heads=num_heads, mlp_dim=mlp_dim, K=K,
+                   candidate_pool_size=min(candidate_pool_size, target.vocab_size),
+                   rms_norm_eps=target.rms_norm_eps, dtype=dtype)
+
     @property
     def block_config(self) -> ModelConfig:
         return ModelConfig(
@@ -186,10 +196,8 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
 
 def random_adapter_config(target: ModelConfig, *, depth: int, d_rank: int = 32, num_layers: int = 2,
                           pool: int | None = None) -> AdapterConfig:
-    return AdapterConfig(d_model=target.hidden_size, d_embed=target.hidden_size, d_rank=d_rank,
-                         num_layers=num_layers, num_heads=max(1, d_rank // 16), mlp_dim=2 * d_rank, K=depth,
-                         candidate_pool_size=min(pool or 512, target.vocab_size), rope_base=10_000.0,
-                         rms_norm_eps=target.rms_norm_eps, dtype=target.dtype)
+    return AdapterConfig.like(target, d_rank=d_rank, num_layers=num_layers, num_heads=max(1, d_rank // 16),
+                              mlp_dim=2 * d_rank, K=depth, candidate_pool_size=pool or 512, dtype=target.dtype)
 
 
 def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: jax.Array, drafter_states: jax.Array,

@@ -160,10 +160,9 @@ def _train_adapter(args) -> int:
 
     bundle = weaver_jax.load(args.model, dtype="float32", drafter=args.drafter)
     c = bundle.config
-    config = _module_config(args.run, "adapter", AdapterConfig(
-        d_model=c.hidden_size, d_embed=c.hidden_size, d_rank=args.d_rank, num_layers=args.layers,
-        num_heads=args.heads, mlp_dim=args.mlp_dim, K=bundle.drafter.config.block_size - 1,
-        candidate_pool_size=args.pool_size, rope_base=args.rope_base, rms_norm_eps=c.rms_norm_eps, dtype="float32"))
+    config = _module_config(args.run, "adapter", dataclasses.replace(AdapterConfig.like(
+        c, d_rank=args.d_rank, num_layers=args.layers, num_heads=args.heads, mlp_dim=args.mlp_dim,
+        K=bundle.drafter.config.block_size - 1, candidate_pool_size=args.pool_size), rope_base=args.rope_base))
 
     return _fit_and_export(args, Adapter(config, rngs=nnx.Rngs(args.seed)),
                            lambda cfg: training.adapter_loss_fn(cfg, args.pool_size), (bundle.target, bundle.drafter),
