@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from weaver_jax._adapter import weaver_tree
-from weaver_jax._model import KVCache, _write
+from weaver_jax._model import ForwardOutput, KVCache, _write
 from weaver_jax._sampling import Sampling, select
 from weaver_jax._tree import Tree, chain, ddtree
 from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
@@ -250,11 +250,8 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
         histogram=jnp.zeros((b, p.depth + 2), jnp.int32))
 
 
-def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> tuple[SpecState, Tree, Acceptance]:
-    """One round: draft, build the tree, verify, accept, commit. -> (state, the tree, its acceptance)."""
-    b = s.root.shape[0]
-    rows = jnp.arange(b)
-    active = ~s.done
+def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, ForwardOutput]:
+    """Draft, build the tree and run the target over it (its K/V written past the prefix)."""
     marginals, states = p.drafter.propose(p.target, s.cache, s.root, s.drafter_cache)
     if p.method == "weaver":
         k = p.opts["depth"]
@@ -263,8 +260,17 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
                            pool_size=p.opts["pool_size"])
     else:
         tree = build_tree(p.method, s.root, marginals, p.opts)
-    attend = tree.ancestors()
-    verify = p.target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, attend, hidden_layers=p.hidden_ids)
+    verify = p.target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, tree.ancestors(),
+                      hidden_layers=p.hidden_ids)
+    return tree, verify
+
+
+def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> tuple[SpecState, Tree, Acceptance]:
+    """One round: draft, build the tree, verify, accept, commit. -> (state, the tree, its acceptance)."""
+    b = s.root.shape[0]
+    rows = jnp.arange(b)
+    active = ~s.done
+    tree, verify = _propose_and_verify(p, s)
     round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
     acc, moved = accept_and_move(tree, verify.logits, verify.cache, round_keys, sampling, p.depth)
     path = acc.path
