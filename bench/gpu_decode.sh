@@ -35,10 +35,13 @@ case "$variant" in
       python3 bench/verify.py --shape qwen3-8b --batch $b --contexts 1024 --kernels off on --stages round \
         --json "$OUT/round_qwen3-8b_b$b.json"
     done ;;
-  round-smollm2)  # one round's stages at the SmolLM2 shape with the shipped drafter/adapter sizes (issue 5)
-    python3 bench/verify.py --shape smollm2-135m --contexts 512 --stages verify round --nodes 16 64 \
-      --drafter-layers 2 --drafter-features 3 --adapter-rank 192 --adapter-heads 3 --adapter-mlp 512 \
-      --json "$OUT/round_smollm2.json" ;;
+  round-smollm2)  # one round's stages at the SmolLM2 shape with the shipped drafter/adapter sizes (issue 5),
+    # kernels off and on, Weaver's tree in ~16 adapter calls (the default) or ~8
+    for calls in 16 8; do
+      python3 bench/verify.py --shape smollm2-135m --contexts 512 --kernels off on --stages verify round \
+        --nodes 16 64 --calls $calls --drafter-layers 2 --drafter-features 3 --adapter-rank 192 \
+        --adapter-heads 3 --adapter-mlp 512 --json "$OUT/round_smollm2_calls_$calls.json"
+    done ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

@@ -67,6 +67,9 @@ def main():
     parser.add_argument("--drafter-features", type=int, help="target layers fused into the context (default: layers)")
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--calls", type=int, default=16,
+                        help="Weaver expands ceil(budget / calls) nodes per adapter call, so a tree takes ~calls calls "
+                             "(generate's default: 16)")
     parser.add_argument("--adapter-rank", type=int, default=1024)
     parser.add_argument("--adapter-layers", type=int, default=2)
     parser.add_argument("--adapter-heads", type=int, help="default: rank / 128")
@@ -112,7 +115,8 @@ def main():
         def body(c, ws):
             a = nnx.merge(agraphdef, ws[0])
             return weaver_tree(a, ws[1], c, ws[2], ws[3], ws[4] * (1 + 1e-30 * c[:, None, None]), budget=budget,
-                               children=8, expansions=-(-budget // 16), pool_size=aconfig.candidate_pool_size
+                               children=8, expansions=-(-budget // args.calls),
+                               pool_size=aconfig.candidate_pool_size
                                ).tokens[:, -1]
         return body
 
@@ -128,7 +132,7 @@ def main():
     root_state = jax.random.normal(jax.random.key(3), (b, config.hidden_size), jnp.float32).astype(dtype)
     weaver_ws = (aparams, tables, root_state, dstates, marginals)
     trees = {"weaver": jax.jit(lambda ws: weaver_tree(nnx.merge(agraphdef, ws[0]), ws[1], start, ws[2], ws[3], ws[4],
-                                                      budget=64, children=8, expansions=4,
+                                                      budget=64, children=8, expansions=-(-64 // args.calls),
                                                       pool_size=aconfig.candidate_pool_size))(weaver_ws),
              "dflash": build_tree("dflash", start, marginals, {}), "ddtree": build_tree("ddtree", start, marginals,
                                                                                        {"budget": 64})}
