@@ -38,7 +38,7 @@ def accept_commit_reference(tree: Tree, choice, cache: KVCache, *, max_depth: in
     """The walk over `choice` and the K/V move in plain JAX (`_speculative.walk` + `commit_kv`)."""
     rows = jnp.arange(choice.shape[0])
     acc = walk(tree, lambda cur: choice[rows, cur], max_depth)
-    return acc, commit_kv(cache, acc.path, jnp.zeros_like(acc.length))
+    return acc, commit_kv(cache, acc.path)
 
 
 def _pow2(n: int) -> int:

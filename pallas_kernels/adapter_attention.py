@@ -24,8 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from weaver_jax._model import gqa_attention
-
-_NEG = 0.7 * float(jnp.finfo(jnp.float32).min)
+from weaver_jax.pallas_kernels import MASKED_SCORE
 
 
 def visible_slots(own: jax.Array, prefix_len: int, max_depth: int) -> jax.Array:
@@ -57,7 +56,7 @@ def _kernel(slots_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float):
     mask = jnp.broadcast_to(visible[:, None], (slots.shape[0], d))
     keys = plgpu.load(k_ref.at[b, rows[0], h, rows[1]], mask=mask, other=0).astype(jnp.float32)  # [L, D]
     scores = jnp.sum(keys * q_ref[...].astype(jnp.float32)[None, :], axis=1) * scale
-    scores = jnp.where(visible, scores, _NEG)
+    scores = jnp.where(visible, scores, MASKED_SCORE)
     p = jnp.where(visible, jnp.exp(scores - jnp.max(scores)), 0.0)
     values = plgpu.load(v_ref.at[b, rows[0], h, rows[1]], mask=mask, other=0).astype(jnp.float32)
     o_ref[...] = jnp.sum(p[:, None] * values, axis=0) / jnp.sum(p)

@@ -24,8 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from weaver_jax._model import gqa_attention, visibility_mask
-
-_NEG = 0.7 * float(jnp.finfo(jnp.float32).min)  # masked score: finite, so exp(_NEG - m) is 0 without NaNs
+from weaver_jax.pallas_kernels import MASKED_SCORE
 
 
 def tree_attention_reference(q, k_cache, v_cache, lengths, ancestors):
@@ -49,7 +48,7 @@ def _prefix_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k
         values = v_ref[pl.ds(i * block_k, block_k), :]
         s = plgpu.dot(q, keys, trans_b=True) * scale  # [R_blk, block_k] float32
         position = start + i * block_k + jnp.arange(block_k)
-        s = jnp.where((position < length)[None, :], s, _NEG)
+        s = jnp.where((position < length)[None, :], s, MASKED_SCORE)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.exp(s - m_new[:, None])
         correction = jnp.exp(m - m_new)
@@ -57,7 +56,8 @@ def _prefix_kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k
         return o, m_new, total * correction + p.sum(axis=1)
 
     blocks = jnp.clip(pl.cdiv(length - start, block_k), 0, chunk // block_k)
-    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASKED_SCORE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
     o, m, total = jax.lax.fori_loop(0, blocks, body, init)
     o_ref[...] = o
     m_ref[...] = m
@@ -137,7 +137,7 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     v_tree = jnp.take_along_axis(v_cache, slots[:, :, None, None], axis=1)
     qn = q.reshape(b, n, kv, g, d)
     s_t = jnp.einsum("bnkgd,btkd->bkngt", qn, k_tree, preferred_element_type=jnp.float32) / math.sqrt(d)
-    s_t = jnp.where(ancestors[:, None, :, None, :], s_t, _NEG)
+    s_t = jnp.where(ancestors[:, None, :, None, :], s_t, MASKED_SCORE)
     m_t = s_t.max(-1)  # [B, H_kv, N, G]
     p_t = jnp.exp(s_t - m_t[..., None])
     l_t = p_t.sum(-1)

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from weaver_jax._config import ModelConfig
-from weaver_jax.pallas_kernels import kernels_enabled
+from weaver_jax.pallas_kernels import interpret, kernels_enabled
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 
@@ -158,12 +158,10 @@ class Attention(nnx.Module):
         q, k, v = self.project(x, positions, inv_freq)
         k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
         if isinstance(mask, TreeVisibility):  # the Pallas kernel: prefix [0, len) + `attend` among the new tokens
-            from weaver_jax.pallas_kernels import interpret
             from weaver_jax.pallas_kernels.tree_attention import tree_attention
 
             o = tree_attention(q, k_cache, v_cache, lengths, mask.attend, interpret=interpret())
         elif isinstance(mask, SlotVisibility):  # the Pallas kernel gathering each query's slots
-            from weaver_jax.pallas_kernels import interpret
             from weaver_jax.pallas_kernels.adapter_attention import adapter_attention
 
             o = adapter_attention(q, k_cache, v_cache, mask.slots, interpret=interpret())

@@ -138,20 +138,19 @@ def accept_and_move(tree: Tree, logits: jax.Array, cache: KVCache, keys: jax.Arr
         return accept_commit(tree, node_choices(logits, keys, sampling), cache, max_depth=max_depth,
                              interpret=interpret())
     acc = accept(tree, logits, keys, sampling, max_depth)
-    return acc, commit_kv(cache, acc.path, jnp.zeros_like(acc.length))
+    return acc, commit_kv(cache, acc.path)
 
 
-def commit_kv(cache: KVCache, path: jax.Array, count: jax.Array) -> KVCache:
-    """Move the K/V of the first `count [B]` path nodes (scratch slots `len + path`) to
-    `[len, len + count)` and advance `len` by `count`. Slots past the new length are free space.
+def commit_kv(cache: KVCache, path: jax.Array) -> KVCache:
+    """Move the K/V of the path nodes (scratch slots `len + path`, `[B, P]`) to `[len, len + P)`;
+    lengths unchanged (the caller advances them by what it emits; slots past that are free space).
     Writes all P rows from `len`, so it needs `len + P <= S` (generate's caches leave room for a tree)."""
     src = cache.lengths[:, None] + path  # [B, P]
 
     def move(layer):
         return _write(layer, jnp.take_along_axis(layer, src[:, :, None, None], axis=1), cache.lengths)
 
-    return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v),
-                   cache.lengths + count)
+    return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v), cache.lengths)
 
 
 class SpecState(NamedTuple):
