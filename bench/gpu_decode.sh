@@ -25,8 +25,8 @@ case "$variant" in
   tree-attention)  # the Pallas tree-attention kernel against XLA and the K/V read floor (issue 8)
     python3 bench/tree_attention.py --json "$OUT/tree_attention.json" ;;
   tree-attention-sweep)  # tile and launch parameters of the tree-attention kernel (issue 8's tuning)
-    python3 bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 --block-r 32 64 128 --block-k 32 64 \
-      --chunk 256 1024 --warps 4 8 --stages 2 3 --json "$OUT/tree_attention_sweep.json" ;;
+    python3 bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 --block-r 64 128 --block-k 32 64 128 \
+      --splits 0 16 --warps 4 8 --stages 2 3 --json "$OUT/tree_attention_sweep.json" ;;
   verify-kernels)  # whole verification with the target's attention through XLA vs the Pallas kernel (issue 8)
     python3 bench/verify.py --shape qwen3-8b --contexts 1024 4096 16384 --kernels off on --stages verify \
       --nodes 16 64 256 --json "$OUT/verify_kernels_qwen3-8b.json" ;;

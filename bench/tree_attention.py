@@ -2,7 +2,7 @@
 
     python bench/tree_attention.py --json out.json
     python bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 \
-        --block-r 32 64 128 --block-k 32 64 --chunk 256 1024 --warps 4 8 --stages 2 3   # a tuning sweep
+        --block-r 64 128 --block-k 32 64 128 --splits 0 16 --warps 4 8 --stages 2 3   # a tuning sweep
 
 Qwen3-8B shape (32 query / 8 K/V heads, head dim 128, bf16), one layer: prefix 1K / 4K / 16K, tree
 nodes 16 / 64 / 256, batch 1 and 8. Each is timed inside a `fori_loop` with a loop-carried
@@ -40,7 +40,7 @@ def main():
     parser.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--chunk", type=int, nargs="+", default=[512])
+    parser.add_argument("--splits", type=int, nargs="+", default=[0], help="prefix splits (0: the kernel's default)")
     parser.add_argument("--block-k", type=int, nargs="+", default=[64])
     parser.add_argument("--block-r", type=int, nargs="+", default=[64])
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
@@ -64,8 +64,9 @@ def main():
                 ws = (k_cache, v_cache, lengths, ancestors)
                 ref = tree_attention_reference(q, *ws)
                 xla = timed(lambda q, ws: tree_attention_reference(q, *ws), q, ws)
-                for tiles in itertools.product(args.block_r, args.block_k, args.chunk, args.warps, args.stages):
-                    options = dict(zip(("block_r", "block_k", "chunk", "num_warps", "num_stages"), tiles, strict=True))
+                for tiles in itertools.product(args.block_r, args.block_k, args.splits, args.warps, args.stages):
+                    options = dict(zip(("block_r", "block_k", "splits", "num_warps", "num_stages"), tiles, strict=True))
+                    options["splits"] = options["splits"] or None
                     kernel = lambda q, ws, o=options: tree_attention(q, *ws, interpret=args.interpret, **o)  # noqa: E731
                     try:
                         error = float(jnp.abs(kernel(q, ws) - ref).max())

@@ -25,24 +25,26 @@ def random_ancestors(rng, batch, nodes, padding):
                 jnp.zeros((batch, nodes), jnp.int32), jnp.asarray(np.broadcast_to(valid, (batch, nodes)))).ancestors()
 
 
-CASES = [  # batch, nodes, query heads, kv heads (GQA ratio 1 / 3 / 4 / 8), head dim, cache slots, padding nodes
-    (1, 1, 4, 4, 16, 64, 0),
-    (2, 5, 9, 3, 32, 80, 1),
-    (3, 17, 16, 4, 16, 200, 4),  # cache size not a multiple of 16
-    (1, 256, 8, 1, 16, 512, 30),
+CASES = [  # batch, nodes, query heads, kv heads (GQA ratio 1 / 3 / 4 / 8), head dim, cache slots, padding nodes,
+    # prefix splits (None: the default, capped by the cache's key blocks)
+    (1, 1, 4, 4, 16, 64, 0, None),
+    (2, 5, 9, 3, 32, 80, 1, 3),
+    (3, 17, 16, 4, 16, 200, 4, 5),  # cache size not a multiple of 16
+    (1, 256, 8, 1, 16, 512, 30, 3),
+    (2, 20, 8, 2, 16, 1000, 2, None),  # a cache much longer than most prefixes
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_reference(case):
-    b, n, h, kv, d, s, padding = case
+    b, n, h, kv, d, s, padding, splits = case
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.float32)
     k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.float32) for _ in range(2))
     lengths = jnp.asarray(rng.integers(0, s - n + 1, b), jnp.int32)  # ragged, any alignment, 0 allowed
     ancestors = random_ancestors(rng, b, n, padding)
-    out = tree_attention(q, k_cache, v_cache, lengths, ancestors, block_k=16, chunk=32 if n < 256 else 128,
+    out = tree_attention(q, k_cache, v_cache, lengths, ancestors, block_k=16, splits=splits,
                          interpret=True, poison=True)
     ref = tree_attention_reference(q, k_cache, v_cache, lengths, ancestors)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5, err_msg=f"seed {seed}")
@@ -54,7 +56,7 @@ def test_bfloat16_inputs_accumulate_in_float32():
     q = jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16)
     k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.bfloat16) for _ in range(2))
     lengths, ancestors = jnp.array([40, 88]), random_ancestors(rng, b, n, 2)
-    out = tree_attention(q, k_cache, v_cache, lengths, ancestors, block_k=16, chunk=32, interpret=True, poison=True)
+    out = tree_attention(q, k_cache, v_cache, lengths, ancestors, block_k=16, splits=2, interpret=True, poison=True)
     assert out.dtype == jnp.float32
     ref = tree_attention_reference(q, k_cache, v_cache, lengths, ancestors)
     np.testing.assert_allclose(out, ref, atol=3e-2)

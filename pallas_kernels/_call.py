@@ -1,0 +1,31 @@
+"""`pallas_call` with the tests' poisoning in one place."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def pallas_call(kernel, args, *, grid, in_specs, out_specs, out_shape, name: str, num_warps: int, num_stages: int,
+                interpret: bool, poison: bool = False, aliases: dict[int, int] | None = None):
+    """`pl.pallas_call(kernel, ...)(*args)` on the Triton backend with explicit launch parameters.
+    poison (tests): every output starts as NaN (-7 for integers), aliased in as an extra input, so
+    an element no program writes cannot pass."""
+    aliases = dict(aliases or {})
+    if poison:
+        several = isinstance(out_shape, list | tuple)
+        outputs = list(out_shape) if several else [out_shape]
+        inputs = len(args)
+        in_specs = [*in_specs, *(out_specs if several else [out_specs])]
+        args = [*args, *(jnp.full(o.shape, jnp.nan if jnp.issubdtype(o.dtype, jnp.floating) else -7, o.dtype)
+                         for o in outputs)]
+        outputs = len(outputs)
+        aliases.update({inputs + i: i for i in range(outputs)})
+
+        def kernel(*refs, inner=kernel):
+            inner(*refs[:inputs], *refs[inputs + outputs:])
+
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          input_output_aliases=aliases, interpret=interpret, name=name,
+                          compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))(*args)
