@@ -25,14 +25,14 @@ case "$variant" in
   tree-attention)  # the Pallas tree-attention kernel against XLA and the K/V read floor (issue 8)
     python3 bench/tree_attention.py --json "$OUT/tree_attention.json" ;;
   tree-attention-sweep)  # tile and launch parameters of the tree-attention kernel (issue 8's tuning)
-    python3 bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 --block-r 64 128 --block-k 32 64 128 \
-      --splits 0 16 --warps 4 8 --stages 2 3 --json "$OUT/tree_attention_sweep.json" ;;
+    python3 bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 --block-r 64 128 --block-k 64 128 \
+      --warps 4 8 --stages 2 3 --json "$OUT/tree_attention_sweep.json" ;;
   verify-kernels)  # whole verification with the target's attention through XLA vs the Pallas kernel (issue 8)
     python3 bench/verify.py --shape qwen3-8b --contexts 1024 4096 16384 --kernels off on --stages verify \
       --nodes 16 64 256 --json "$OUT/verify_kernels_qwen3-8b.json" ;;
   accept)  # one round's stages at budget 64, B = 1 and 8, XLA vs the Pallas kernels (issue 8's acceptance + commit goal)
     for b in 1 8; do
-      python3 bench/verify.py --shape qwen3-8b --batch $b --contexts 1024 --kernels off on --stages round \
+      python3 bench/verify.py --shape qwen3-8b --batch $b --contexts 1024 --kernels off on --stages round --methods weaver \
         --json "$OUT/round_qwen3-8b_b$b.json"
     done ;;
   round-smollm2)  # one round's stages at the SmolLM2 shape with the shipped drafter/adapter sizes (issue 5),

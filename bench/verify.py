@@ -62,6 +62,8 @@ def main():
     parser.add_argument("--kernels", choices=["off", "on"], nargs="+", default=["off"],
                         help="target attention through XLA (off) and/or the Pallas tree-attention kernel (on)")
     parser.add_argument("--stages", choices=["verify", "tree", "round"], nargs="+", default=["verify", "tree", "round"])
+    parser.add_argument("--methods", choices=["weaver", "dflash", "ddtree"], nargs="+",
+                        default=["weaver", "dflash", "ddtree"], help="methods of the round stage")
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--drafter-layers", type=int, default=5)
     parser.add_argument("--drafter-features", type=int, help="target layers fused into the context (default: layers)")
@@ -152,7 +154,8 @@ def main():
                     continue
                 drafter_s = loop(lambda c, ws: jnp.argmax(propose(c, ws)[:, 0], -1).astype(jnp.int32), start,
                                  (params, dparams, cache, dcache))
-                for method, tree in trees.items():
+                for method in args.methods:
+                    tree = trees[method]
                     if method == "weaver":
                         build_s = loop(weaver_build(64), start, weaver_ws)
                     else:

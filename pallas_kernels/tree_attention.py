@@ -67,9 +67,10 @@ def _partials_kernel(len_ref, q_ref, k_ref, v_ref, visible_ref, o_ref, m_ref, l_
              jnp.zeros((rows,), jnp.float32))
     share = block_k * pl.cdiv(pl.cdiv(length, block_k), splits)  # prefix keys per split
     start = split * share
-    blocks = jnp.where(split < splits, jnp.clip(pl.cdiv(length - start, block_k), 0, share // block_k), 0)
+    # Trip counts as int32 products: a `where` of two constants can lower to i1, which scf.for rejects
+    blocks = (split < splits).astype(jnp.int32) * jnp.clip(pl.cdiv(length - start, block_k), 0, share // block_k)
     carry = jax.lax.fori_loop(0, blocks, lambda i, c: attend(c, start + i * block_k, block_k, length, None), carry)
-    tree_blocks = jnp.where(split == splits, visible_ref.shape[1] // block_t, 0)
+    tree_blocks = (split == splits).astype(jnp.int32) * (visible_ref.shape[1] // block_t)
     carry = jax.lax.fori_loop(0, tree_blocks, lambda i, c: attend(
         c, length + i * block_t, block_t, k_ref.shape[0], visible_ref[:, pl.ds(i * block_t, block_t)] != 0), carry)
     o_ref[...], m_ref[...], l_ref[...] = carry

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from weaver_jax.pallas_kernels.adapter_attention import adapter_attention, adapter_attention_reference, visible_slots
+
+from .cuda import lower_for_cuda
 
 
 def random_own(rng, batch, width, nodes, max_depth):
@@ -68,11 +69,7 @@ LIBRARY_SHAPES = [  # the shipped SmolLM2 adapter (3 heads x 64) at budget 64; a
 @pytest.mark.parametrize("shape", LIBRARY_SHAPES)
 def test_lowers_for_cuda(shape):
     b, w, n, prefix, depth, h, d, s, dtype = shape
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                                                       platform="cuda"))
     length = visible_slots(jnp.zeros((b, w, n), bool), prefix, depth).shape[2]
     args = [jax.ShapeDtypeStruct((b, w, h, d), dtype), jax.ShapeDtypeStruct((b, s, h, d), dtype),
             jax.ShapeDtypeStruct((b, s, h, d), dtype), jax.ShapeDtypeStruct((b, w, length), jnp.int32)]
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = adapter_attention.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
+    lower_for_cuda(adapter_attention, *args)
