@@ -42,6 +42,20 @@ case "$variant" in
         --nodes 16 64 --calls $calls --drafter-layers 2 --drafter-features 3 --adapter-rank 192 \
         --adapter-heads 3 --adapter-mlp 512 --json "$OUT/round_smollm2_calls_$calls.json"
     done ;;
+  issue8)  # tree-attention tiles at N = 64 and N = 1 (4K, 16K), then whole verification (1K, 16K) and one
+    # round's acceptance + commit (B = 1, 8) with the winning N = 64 tiles; kernels off vs on
+    timeout 170 python3 bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 --block-r 64 128 \
+      --block-k 64 128 --programs 264 1024 --warps 4 8 --stages 3 --json "$OUT/sweep_n64.json"
+    timeout 70 python3 bench/tree_attention.py --prefix 4096 16384 --nodes 1 --batch 1 --block-k 64 128 \
+      --programs 264 1024 4096 --stages 3 --json "$OUT/sweep_n1.json"
+    best=$(python3 bench/tree_attention.py --pick "$OUT/sweep_n64.json" || echo '{}')
+    echo "tiles: $best"
+    timeout 140 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
+      --nodes 64 --tree-attention "$best" --json "$OUT/verify_kernels.json"
+    for b in 8 1; do
+      timeout 100 python3 bench/verify.py --shape qwen3-8b --batch $b --contexts 1024 --kernels off on --stages round \
+        --methods weaver --tree-attention "$best" --json "$OUT/round_b$b.json"
+    done ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

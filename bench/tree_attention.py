@@ -2,7 +2,7 @@
 
     python bench/tree_attention.py --json out.json
     python bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 \
-        --block-r 64 128 --block-k 32 64 128 --splits 0 16 --warps 4 8 --stages 2 3   # a tuning sweep
+        --block-r 64 128 --block-k 64 128 --programs 264 1024 --warps 4 8 --stages 3   # a tuning sweep
 
 Qwen3-8B shape (32 query / 8 K/V heads, head dim 128, bf16), one layer: prefix 1K / 4K / 16K, tree
 nodes 16 / 64 / 256, batch 1 and 8. Each is timed inside a `fori_loop` with a loop-carried
@@ -26,13 +26,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
 
-from weaver_jax.pallas_kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
+from weaver_jax.pallas_kernels.tree_attention import (  # noqa: E402
+    PROGRAMS,
+    tree_attention,
+    tree_attention_reference,
+)
+
+TILES = ("block_r", "block_k", "programs", "num_warps", "num_stages")
 
 
-def timed(fn, q, ws) -> list[float]:
-    """ms per call of fn(q, ws), twice, inside a loop whose carry depends on the output."""
+def best_tiles(rows: list[dict]) -> dict:
+    """The tile options with the highest mean speedup over XLA across the rows' configurations."""
+    speedups = {}
+    for row in rows:
+        if "speedup" in row:
+            speedups.setdefault(tuple(row[t] for t in TILES), []).append(row["speedup"])
+    complete = {k: v for k, v in speedups.items() if len(v) == max(map(len, speedups.values()))}
+    return dict(zip(TILES, max(complete, key=lambda k: np.mean(complete[k])), strict=True))
+
+
+def timed(fn, q, ws, steps: int) -> list[float]:
+    """ms per call of fn(q, ws), twice, inside a loop whose carry depends on the output: (time of
+    steps + 1 calls - time of 1) / steps, median of 5 (enough steps that host jitter is noise)."""
     body = lambda c, ws: (c + 1e-3 * fn(c, ws).astype(c.dtype)).astype(c.dtype)  # noqa: E731
-    return [bench._looped_seconds(body, q, ws, 8, 3) * 1e3 for _ in range(2)]
+    return [bench._looped_seconds(body, q, ws, steps, 5) * 1e3 for _ in range(2)]
 
 
 def main():
@@ -40,15 +57,21 @@ def main():
     parser.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--splits", type=int, nargs="+", default=[0], help="prefix splits (0: the kernel's default)")
+    parser.add_argument("--programs", type=int, nargs="+", default=[PROGRAMS],
+                        help="programs the first kernel aims for (it picks the prefix splits)")
     parser.add_argument("--block-k", type=int, nargs="+", default=[64])
     parser.add_argument("--block-r", type=int, nargs="+", default=[64])
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
     parser.add_argument("--stages", type=int, nargs="+", default=[2])
     parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="query heads, K/V heads, head dim")
+    parser.add_argument("--steps", type=int, default=100, help="calls per timed loop")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--pick", type=Path, help="print the best tiles of a sweep's JSON and exit")
     args = parser.parse_args()
+    if args.pick:
+        print(json.dumps(best_tiles(json.loads(args.pick.read_text()))))
+        return
     h, kv, d = args.heads
     rows = []
     for b in args.batch:
@@ -63,14 +86,13 @@ def main():
                 ancestors = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
                 ws = (k_cache, v_cache, lengths, ancestors)
                 ref = tree_attention_reference(q, *ws)
-                xla = timed(lambda q, ws: tree_attention_reference(q, *ws), q, ws)
-                for tiles in itertools.product(args.block_r, args.block_k, args.splits, args.warps, args.stages):
-                    options = dict(zip(("block_r", "block_k", "splits", "num_warps", "num_stages"), tiles, strict=True))
-                    options["splits"] = options["splits"] or None
+                xla = timed(lambda q, ws: tree_attention_reference(q, *ws), q, ws, args.steps)
+                for tiles in itertools.product(args.block_r, args.block_k, args.programs, args.warps, args.stages):
+                    options = dict(zip(TILES, tiles, strict=True))
                     kernel = lambda q, ws, o=options: tree_attention(q, *ws, interpret=args.interpret, **o)  # noqa: E731
                     try:
                         error = float(jnp.abs(kernel(q, ws) - ref).max())
-                        row = dict(kernel_ms=timed(kernel, q, ws), max_abs_error=error)
+                        row = dict(kernel_ms=timed(kernel, q, ws, args.steps), max_abs_error=error)
                     except Exception as e:  # a configuration Triton rejects (e.g. out of shared memory)
                         row = dict(failed=f"{type(e).__name__}: {str(e)[:200]}")
                     row.update(batch=b, prefix=prefix, nodes=n, **options, xla_ms=xla,

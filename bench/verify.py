@@ -17,6 +17,7 @@ Random weights; a 5-layer DFlash drafter of the target's width.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -33,9 +34,10 @@ import decode as bench  # noqa: E402
 import weaver_jax as wj  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
-from weaver_jax._speculative import accept_and_move, build_tree  # noqa: E402
+from weaver_jax._speculative import accept_and_move, build_tree, node_choices  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
 from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
+from weaver_jax.pallas_kernels import tree_attention as tree_attention_module  # noqa: E402
 
 TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=16, qk_norm=True, family="qwen3")
@@ -76,10 +78,15 @@ def main():
     parser.add_argument("--adapter-layers", type=int, default=2)
     parser.add_argument("--adapter-heads", type=int, help="default: rank / 128")
     parser.add_argument("--adapter-mlp", type=int, help="default: 4 x rank")
+    parser.add_argument("--tree-attention", type=json.loads, default={},
+                        help='tile options for the tree-attention kernel, e.g. \'{"block_k": 128}\' (default: its own)')
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if args.tree_attention:  # the target looks the kernel up in its module at trace time
+        tree_attention_module.tree_attention = functools.partial(tree_attention_module.tree_attention,
+                                                                 **args.tree_attention)
     config = TINY.replace(dtype=dtype) if args.shape == "tiny" else bench.SHAPES[args.shape](dtype)
     target = bench.random_target(config)
     dconfig = DrafterConfig.like(config, num_layers=args.drafter_layers,
@@ -170,10 +177,17 @@ def main():
                         acc, moved = accept_and_move(tree, logits, carry[1], ws[1], wj.Sampling(), depth)
                         return acc.bonus, moved
 
+                    def walk_commit(carry, ws, tree=tree):  # the same without the per-node argmax over logits
+                        choice = ws + (carry[0][:, None] % 2)
+                        acc, moved = accept_and_move(tree, None, carry[1], None, wj.Sampling(), depth, choice=choice)
+                        return acc.bonus, moved
+
                     accept_s = loop(accept_commit, (start, cache), (logits, wj.sequence_keys(0, b)))
+                    choices = node_choices(logits, wj.sequence_keys(0, b), wj.Sampling())
+                    walk_s = loop(walk_commit, (start, cache), choices)
                     rows.append(dict(stage="round", method=method, nodes=tree.size, drafter_ms=drafter_s * 1e3,
                                      tree_ms=build_s * 1e3, verify_ms=verify_s * 1e3,
-                                     accept_commit_ms=accept_s * 1e3, **where))
+                                     accept_commit_ms=accept_s * 1e3, walk_commit_ms=walk_s * 1e3, **where))
                     print(json.dumps(rows[-1]), flush=True)
 
     if "tree" in args.stages:

@@ -30,14 +30,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from weaver_jax._model import KVCache
-from weaver_jax._speculative import Acceptance, commit_kv, walk
+from weaver_jax._speculative import Acceptance, commit_kv, walk_choices
 from weaver_jax._tree import Tree
+from weaver_jax.pallas_kernels._call import pallas_call
 
 
 def accept_commit_reference(tree: Tree, choice, cache: KVCache, *, max_depth: int) -> tuple[Acceptance, KVCache]:
-    """The walk over `choice` and the K/V move in plain JAX (`_speculative.walk` + `commit_kv`)."""
-    rows = jnp.arange(choice.shape[0])
-    acc = walk(tree, lambda cur: choice[rows, cur], max_depth)
+    """The walk over `choice` and the K/V move in plain JAX (`_speculative.walk_choices` + `commit_kv`)."""
+    acc = walk_choices(tree, choice, max_depth)
     return acc, commit_kv(cache, acc.path)
 
 
@@ -110,38 +110,23 @@ def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, interpr
     tree_rows = [pad(tokens, 0), pad(parent, -1), pad(valid, 0), pad(choice, 0)]
     lengths = lengths.astype(jnp.int32)
     layers = len(caches)
-    grid = (b, kv)
     scalar = pl.BlockSpec((None,), lambda i, h: (i,))
     row = pl.BlockSpec((None, n_pad), lambda i, h: (i, 0))
     whole = pl.BlockSpec()  # the full cache: rows are addressed inside the kernel
     rows_spec = pl.BlockSpec((None, p_pad, None, d), lambda i, h: (i, 0, h, 0))
-    params = plgpu.CompilerParams(num_warps=1, num_stages=1)
     out_specs = [pl.BlockSpec((None, p_pad), lambda i, h: (i, 0)), scalar, scalar] + [rows_spec] * layers
     out_shape = ([jax.ShapeDtypeStruct((b, p_pad), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
                   jax.ShapeDtypeStruct((b,), jnp.int32)]
                  + [jax.ShapeDtypeStruct((b, p_pad, kv, d), c.dtype) for c in caches])
-    in_specs, args = [scalar, row, row, row, row] + [whole] * layers, [lengths, *tree_rows, *caches]
-    kernel = functools.partial(_walk_gather_kernel, layers=layers, steps=p, p=p_pad)
-    aliases = {}
-    if poison:
-        inputs = len(args)
-        in_specs += out_specs
-        args += [jnp.full(o.shape, -7 if o.dtype == jnp.int32 else jnp.nan, o.dtype) for o in out_shape]
-        aliases = {inputs + i: i for i in range(len(out_shape))}
-
-        def kernel(*refs, inner=kernel):
-            inner(*refs[:inputs], *refs[inputs + len(out_shape):])
-
-    path, length, bonus, *rows = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases=aliases, interpret=interpret, name="accept_walk_gather", compiler_params=params,
-    )(*args)
-    caches = pl.pallas_call(
-        functools.partial(_scatter_kernel, layers=layers, p=p_pad), grid=grid,
-        in_specs=[scalar, scalar] + [rows_spec] * layers + [whole] * layers,
-        out_specs=[whole] * layers, out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
-        input_output_aliases={2 + layers + i: i for i in range(layers)},
-        interpret=interpret, name="accept_commit_scatter", compiler_params=params,
-    )(lengths, length, *rows, *caches)
+    launch = dict(grid=(b, kv), num_warps=1, num_stages=1, interpret=interpret)
+    path, length, bonus, *rows = pallas_call(
+        functools.partial(_walk_gather_kernel, layers=layers, steps=p, p=p_pad), [lengths, *tree_rows, *caches],
+        in_specs=[scalar, row, row, row, row] + [whole] * layers, out_specs=out_specs, out_shape=out_shape,
+        name="accept_walk_gather", poison=poison, **launch)
+    caches = pallas_call(
+        functools.partial(_scatter_kernel, layers=layers, p=p_pad), [lengths, length, *rows, *caches],
+        in_specs=[scalar, scalar] + [rows_spec] * layers + [whole] * layers, out_specs=[whole] * layers,
+        out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+        aliases={2 + layers + i: i for i in range(layers)}, name="accept_commit_scatter", **launch)
     half = len(cache.k)
     return Acceptance(path[:, :p], length, bonus), KVCache(tuple(caches[:half]), tuple(caches[half:]), cache.lengths)

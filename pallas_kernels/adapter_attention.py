@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from weaver_jax._model import gqa_attention
 from weaver_jax.pallas_kernels import MASKED_SCORE
+from weaver_jax.pallas_kernels._call import pallas_call
 
 
 def visible_slots(own: jax.Array, prefix_len: int, max_depth: int) -> jax.Array:
@@ -76,18 +77,7 @@ def adapter_attention(q, k_cache, v_cache, slots, *, interpret: bool = False, po
         raise ValueError(f"slots per node must be a power of two, got {length} (use visible_slots)")
     head = pl.BlockSpec((None, None, None, d), lambda i, j, k: (i, j, k, 0))
     in_specs = [pl.BlockSpec((None, None, length), lambda i, j, k: (i, j, 0)), head, pl.BlockSpec(), pl.BlockSpec()]
-    out_shape = jax.ShapeDtypeStruct((b, w, h, d), jnp.float32)
-    args = [slots.astype(jnp.int32), q, k_cache, v_cache]
-    kernel = functools.partial(_kernel, scale=1 / math.sqrt(d))
-    if poison:
-        in_specs.append(head)
-        args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-
-        def kernel(slots_ref, q_ref, k_ref, v_ref, _poisoned, o_ref, inner=kernel):
-            inner(slots_ref, q_ref, k_ref, v_ref, o_ref)
-
-    return pl.pallas_call(
-        kernel, grid=(b, w, h), in_specs=in_specs, out_specs=head, out_shape=out_shape,
-        input_output_aliases={4: 0} if poison else {}, interpret=interpret, name="adapter_attention",
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-    )(*args)
+    return pallas_call(
+        functools.partial(_kernel, scale=1 / math.sqrt(d)), [slots.astype(jnp.int32), q, k_cache, v_cache],
+        grid=(b, w, h), in_specs=in_specs, out_specs=head, out_shape=jax.ShapeDtypeStruct((b, w, h, d), jnp.float32),
+        name="adapter_attention", num_warps=1, num_stages=1, interpret=interpret, poison=poison)

@@ -97,15 +97,15 @@ def _pow2_at_least(n: int, low: int) -> int:
     return max(low, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-@functools.partial(jax.jit, static_argnames=("block_r", "block_k", "splits", "num_warps", "num_stages", "interpret",
-                                             "poison"))
+@functools.partial(jax.jit, static_argnames=("block_r", "block_k", "splits", "programs", "num_warps", "num_stages",
+                                             "interpret", "poison"))
 def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64, block_k: int = 64,
-                   splits: int | None = None, num_warps: int = 4, num_stages: int = 2, interpret: bool = False,
-                   poison: bool = False):
+                   splits: int | None = None, programs: int = PROGRAMS, num_warps: int = 4, num_stages: int = 2,
+                   interpret: bool = False, poison: bool = False):
     """Tree attention in two Pallas kernels (see the module docstring).
     block_r: (node, head) rows per program (at most); block_k: prefix keys per inner step (the tree's
-    keys go in steps of min(block_k, N)); splits: prefix splits J (default: about `PROGRAMS`
-    programs); num_warps, num_stages: Triton's launch parameters of the partials kernel.
+    keys go in steps of min(block_k, N)); splits: prefix splits J (default: enough for about
+    `programs` programs in the first kernel); num_warps, num_stages: Triton's launch parameters of the partials kernel.
     poison (tests): outputs start as NaN, so an element no program writes cannot pass."""
     b, n, h, d = q.shape
     s_len, kv = k_cache.shape[1], k_cache.shape[2]
@@ -120,7 +120,7 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     block_t = min(block_k, _pow2_at_least(n, 16))
     n_pad = -(-n // block_t) * block_t
     if splits is None:
-        splits = -(-PROGRAMS // (b * kv * row_blocks))
+        splits = -(-programs // (b * kv * row_blocks))
     splits = max(1, min(splits, -(-s_len // block_k)))
 
     qg = q.reshape(b, n, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, rows, d)

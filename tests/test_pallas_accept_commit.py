@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from weaver_jax import KVCache, Sampling
-from weaver_jax._speculative import accept, node_choices, walk
+from weaver_jax._speculative import accept, accept_and_move, node_choices, walk_choices
 from weaver_jax._tree import Tree
+from weaver_jax.pallas_kernels import kernel_scope
 from weaver_jax.pallas_kernels.accept_commit import accept_commit, accept_commit_reference
 
 from .cuda import lower_for_cuda
@@ -86,11 +87,28 @@ def test_node_choices_walk_equals_accept(sampling):
     tree = random_tree(rng, b, n, depth, 3, alphabet=vocab)
     logits = jnp.asarray(rng.standard_normal((b, n, vocab)) * 2, jnp.float32)
     keys = jax.vmap(jax.random.key)(jnp.arange(b))
-    rows = jnp.arange(b)
     choice = node_choices(logits, keys, sampling)
     want = accept(tree, logits, keys, sampling, depth)
-    got = walk(tree, lambda cur: choice[rows, cur], depth)
-    for x, y in zip(got, want, strict=True):
+    for x, y in zip(walk_choices(tree, choice, depth), want, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("kernels", [(), ("accept_commit",)])
+def test_accept_and_move_with_known_choices(kernels):
+    """Choices handed in (as a fused LM head would) give the same acceptance and cache as logits."""
+    rng = np.random.default_rng()
+    b, n, depth, vocab, s = 3, 17, 5, 3, 40
+    tree = random_tree(rng, b, n, depth, 2, alphabet=vocab)
+    logits = jnp.asarray(rng.standard_normal((b, n, vocab)) * 2, jnp.float32)
+    keys = jax.vmap(jax.random.key)(jnp.arange(b))
+    layer = lambda: jnp.asarray(rng.standard_normal((b, s, 2, 16)), jnp.float32)  # noqa: E731
+    cache = KVCache((layer(),), (layer(),), jnp.asarray(rng.integers(0, s - n + 1, b), jnp.int32))
+    fresh = lambda: jax.tree.map(lambda x: jnp.array(x, copy=True), cache)  # noqa: E731
+    with kernel_scope(kernels):
+        want = accept_and_move(tree, logits, fresh(), keys, Sampling(), depth)
+        got = accept_and_move(tree, None, fresh(), None, Sampling(), depth,
+                              choice=node_choices(logits, keys, Sampling()))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(x, y)
 
 

@@ -104,6 +104,12 @@ def node_choices(logits: jax.Array, keys: jax.Array, sampling: Sampling) -> jax.
         logits, nodes)
 
 
+def walk_choices(tree: Tree, choice: jax.Array, max_depth: int) -> Acceptance:
+    """The walk over per-node target tokens `choice [B, N]` (`node_choices`, or the LM head's)."""
+    rows = jnp.arange(choice.shape[0])
+    return walk(tree, lambda cur: choice[rows, cur], max_depth)
+
+
 def walk(tree: Tree, choose, max_depth: int) -> Acceptance:
     """The acceptance walk: choose(cur `[B]`) -> the target's token at node cur `[B]`; move to the
     valid child carrying it (the lowest index if several), else it is the bonus."""
@@ -127,17 +133,19 @@ def walk(tree: Tree, choose, max_depth: int) -> Acceptance:
     return Acceptance(path, length, bonus)
 
 
-def accept_and_move(tree: Tree, logits: jax.Array, cache: KVCache, keys: jax.Array, sampling: Sampling,
-                    max_depth: int) -> tuple[Acceptance, KVCache]:
+def accept_and_move(tree: Tree, logits: jax.Array | None, cache: KVCache, keys: jax.Array | None,
+                    sampling: Sampling, max_depth: int, choice: jax.Array | None = None) -> tuple[Acceptance, KVCache]:
     """`accept`, and the accepted nodes' K/V moved to `[len, len + length)` (lengths unchanged: the
-    caller advances them by what it emits). With kernels on, one Pallas walk + in-place commit."""
+    caller advances them by what it emits). With kernels on, one Pallas walk + in-place commit.
+    choice `[B, N]`: the per-node target tokens (`node_choices`) when already known; then `logits`
+    and `keys` are unused."""
     if kernels_enabled("accept_commit"):
         from weaver_jax.pallas_kernels import interpret
         from weaver_jax.pallas_kernels.accept_commit import accept_commit
 
-        return accept_commit(tree, node_choices(logits, keys, sampling), cache, max_depth=max_depth,
-                             interpret=interpret())
-    acc = accept(tree, logits, keys, sampling, max_depth)
+        choice = node_choices(logits, keys, sampling) if choice is None else choice
+        return accept_commit(tree, choice, cache, max_depth=max_depth, interpret=interpret())
+    acc = accept(tree, logits, keys, sampling, max_depth) if choice is None else walk_choices(tree, choice, max_depth)
     return acc, commit_kv(cache, acc.path)
 
 
