@@ -23,7 +23,7 @@ case "$variant" in
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/tree_build.py --label cmdbuf --budgets 64 --expansions 4 --json "$OUT/tree_build_cmdbuf.json" ;;
   tree-attention)  # the Pallas tree-attention kernel against XLA and the K/V read floor (issue 8)
-    python3 bench/tree_attention.py --json "$OUT/tree_attention.json" ;;
+    python3 bench/tree_attention.py --nodes 1 16 64 256 --json "$OUT/tree_attention.json" ;;
   tree-attention-sweep)  # tile and launch parameters of the tree-attention kernel (issue 8's tuning)
     python3 bench/tree_attention.py --prefix 4096 16384 --nodes 64 --batch 1 --block-r 64 128 --block-k 64 128 \
       --warps 4 8 --stages 2 3 --json "$OUT/tree_attention_sweep.json" ;;
@@ -56,6 +56,12 @@ case "$variant" in
       timeout 100 python3 bench/verify.py --shape qwen3-8b --batch $b --contexts 1024 --kernels off on --stages round \
         --methods weaver --tree-attention "$best" --json "$OUT/round_b$b.json"
     done ;;
+  issue8-final)  # the tuned defaults: acceptance + commit (B = 8), the tree-attention table, whole verification
+    timeout 100 python3 bench/verify.py --shape qwen3-8b --batch 8 --contexts 1024 --kernels off on --stages round \
+      --methods weaver --json "$OUT/round_b8.json"
+    timeout 150 python3 bench/tree_attention.py --nodes 1 16 64 256 --steps 50 --json "$OUT/tree_attention.json"
+    timeout 100 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
+      --nodes 64 --json "$OUT/verify_kernels.json" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

@@ -31,6 +31,7 @@ from weaver_jax.pallas_kernels import MASKED_SCORE
 from weaver_jax.pallas_kernels._call import pallas_call
 
 PROGRAMS = 264  # partial-kernel programs to aim for: two per multiprocessor of an H100 / H200 (132)
+MERGE_ROWS = 16  # rows per merge program
 
 
 def tree_attention_reference(q, k_cache, v_cache, lengths, ancestors):
@@ -100,7 +101,7 @@ def _pow2_at_least(n: int, low: int) -> int:
 @functools.partial(jax.jit, static_argnames=("block_r", "block_k", "splits", "programs", "num_warps", "num_stages",
                                              "interpret", "poison"))
 def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64, block_k: int = 64,
-                   splits: int | None = None, programs: int = PROGRAMS, num_warps: int = 4, num_stages: int = 2,
+                   splits: int | None = None, programs: int = PROGRAMS, num_warps: int = 4, num_stages: int = 3,
                    interpret: bool = False, poison: bool = False):
     """Tree attention in two Pallas kernels (see the module docstring).
     block_r: (node, head) rows per program (at most); block_k: prefix keys per inner step (the tree's
@@ -143,12 +144,14 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
                    jax.ShapeDtypeStruct((b, kv, columns, rows_padded), jnp.float32),
                    jax.ShapeDtypeStruct((b, kv, columns, rows_padded), jnp.float32)],
         name="tree_attention_partials", num_warps=num_warps, num_stages=num_stages, interpret=interpret, poison=poison)
+    # The merge reads J + 1 partials per row: many small programs, loads pipelined over J
+    merge_rows = min(MERGE_ROWS, block_r)
+    merge_spec = lambda *tail: pl.BlockSpec((None, None, columns, merge_rows, *tail),  # noqa: E731
+                                            lambda i, k, j: (i, k, 0, j, *(0 for _ in tail)))
     out = pallas_call(
-        _merge_kernel, partials, grid=(b, kv, row_blocks),
-        in_specs=[pl.BlockSpec((None, None, columns, block_r, d), lambda i, k, j: (i, k, 0, j, 0)),
-                  pl.BlockSpec((None, None, columns, block_r), lambda i, k, j: (i, k, 0, j)),
-                  pl.BlockSpec((None, None, columns, block_r), lambda i, k, j: (i, k, 0, j))],
-        out_specs=pl.BlockSpec((None, None, block_r, d), lambda i, k, j: (i, k, j, 0)),
+        _merge_kernel, partials, grid=(b, kv, rows_padded // merge_rows),
+        in_specs=[merge_spec(d), merge_spec(), merge_spec()],
+        out_specs=pl.BlockSpec((None, None, merge_rows, d), lambda i, k, j: (i, k, j, 0)),
         out_shape=jax.ShapeDtypeStruct((b, kv, rows_padded, d), jnp.float32),
-        name="tree_attention_merge", num_warps=4, num_stages=1, interpret=interpret, poison=poison)
+        name="tree_attention_merge", num_warps=4, num_stages=3, interpret=interpret, poison=poison)
     return out[:, :, :rows].reshape(b, kv, n, g, d).transpose(0, 2, 1, 3, 4).reshape(b, n, h, d)
