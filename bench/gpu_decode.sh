@@ -51,10 +51,10 @@ case "$variant" in
     best=$(python3 bench/tree_attention.py --pick "$OUT/sweep_n64.json" || echo '{}')
     echo "tiles: $best"
     timeout 140 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
-      --nodes 64 --tree-attention "$best" --json "$OUT/verify_kernels.json"
+      --nodes 64 --kernel-options "{\"tree_attention\": $best}" --json "$OUT/verify_kernels.json"
     for b in 8 1; do
       timeout 100 python3 bench/verify.py --shape qwen3-8b --batch $b --contexts 1024 --kernels off on --stages round \
-        --methods weaver --tree-attention "$best" --json "$OUT/round_b$b.json"
+        --methods weaver --kernel-options "{\"tree_attention\": $best}" --json "$OUT/round_b$b.json"
     done ;;
   issue8-final)  # the tuned defaults: acceptance + commit (B = 8), the tree-attention table, whole verification
     timeout 100 python3 bench/verify.py --shape qwen3-8b --batch 8 --contexts 1024 --kernels off on --stages round \
@@ -62,6 +62,12 @@ case "$variant" in
     timeout 150 python3 bench/tree_attention.py --nodes 1 16 64 256 --steps 50 --json "$OUT/tree_attention.json"
     timeout 100 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
       --nodes 64 --json "$OUT/verify_kernels.json" ;;
+  accept-in-flight)  # the acceptance kernel's move with 1 (measured default) / 8 / 24 cache arrays' loads in flight
+    for launch in '{"layers_in_flight": 1, "num_warps": 1}' '{"layers_in_flight": 8, "num_warps": 4}' \
+                  '{"layers_in_flight": 24, "num_warps": 4}'; do
+      python3 bench/verify.py --shape qwen3-8b --batch 8 --contexts 1024 --kernels on --stages round --methods weaver \
+        --kernel-options "{\"accept_commit\": $launch}"
+    done ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

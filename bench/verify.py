@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -37,7 +38,6 @@ from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
 from weaver_jax._speculative import accept_and_move, build_tree, node_choices  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
 from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
-from weaver_jax.pallas_kernels import tree_attention as tree_attention_module  # noqa: E402
 
 TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=16, qk_norm=True, family="qwen3")
@@ -78,15 +78,15 @@ def main():
     parser.add_argument("--adapter-layers", type=int, default=2)
     parser.add_argument("--adapter-heads", type=int, help="default: rank / 128")
     parser.add_argument("--adapter-mlp", type=int, help="default: 4 x rank")
-    parser.add_argument("--tree-attention", type=json.loads, default={},
-                        help='tile options for the tree-attention kernel, e.g. \'{"block_k": 128}\' (default: its own)')
+    parser.add_argument("--kernel-options", type=json.loads, default={},
+                        help='launch options per Pallas kernel, e.g. \'{"tree_attention": {"block_k": 128}}\'')
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    if args.tree_attention:  # the target looks the kernel up in its module at trace time
-        tree_attention_module.tree_attention = functools.partial(tree_attention_module.tree_attention,
-                                                                 **args.tree_attention)
+    for name, options in args.kernel_options.items():  # callers look each kernel up in its module when traced
+        module = importlib.import_module(f"weaver_jax.pallas_kernels.{name}")
+        setattr(module, name, functools.partial(getattr(module, name), **options))
     config = TINY.replace(dtype=dtype) if args.shape == "tiny" else bench.SHAPES[args.shape](dtype)
     target = bench.random_target(config)
     dconfig = DrafterConfig.like(config, num_layers=args.drafter_layers,

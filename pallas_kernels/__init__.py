@@ -31,7 +31,7 @@ import jax.numpy as jnp
 # A masked attention score: finite, so exp(MASKED_SCORE - m) is 0 without NaNs (shared by the kernels)
 MASKED_SCORE = 0.7 * float(jnp.finfo(jnp.float32).min)
 KERNELS = ("tree_attention", "accept_commit", "adapter_attention")
-MEASURED = ("tree_attention",)  # on by default on GPUs; the others join once timed there
+MEASURED = KERNELS  # on by default on GPUs: each measured faster than XLA there (BENCHMARKS.md)
 _forced: bool | None = None
 _scoped: list[tuple[str, ...]] = []
 

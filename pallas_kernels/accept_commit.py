@@ -67,8 +67,18 @@ def _walk(tokens_ref, parent_ref, valid_ref, choice_ref, *, steps: int, p: int):
     return path, length, bonus
 
 
+def _move(sources, destinations, load, store, in_flight: int):
+    """store(destination, load(source)) for each pair, `in_flight` loads issued before their stores:
+    as far as the compiler knows a store may alias a later load's buffer, so pair by pair would wait
+    out every load's latency in turn."""
+    for first in range(0, len(sources), in_flight):
+        values = [load(source) for source in sources[first:first + in_flight]]
+        for destination, value in zip(destinations[first:first + in_flight], values, strict=True):
+            store(destination, value)
+
+
 def _walk_gather_kernel(len_ref, tokens_ref, parent_ref, valid_ref, choice_ref, *refs, layers: int, steps: int,
-                        p: int):
+                        p: int, in_flight: int):
     caches, (path_ref, length_ref, bonus_ref), rows = refs[:layers], refs[layers:layers + 3], refs[layers + 3:]
     path, length, bonus = _walk(tokens_ref, parent_ref, valid_ref, choice_ref, steps=steps, p=p)
     path_ref[...] = path
@@ -78,24 +88,32 @@ def _walk_gather_kernel(len_ref, tokens_ref, parent_ref, valid_ref, choice_ref, 
     src = len_ref[...] + path
     d = rows[0].shape[-1]
     taken = jnp.broadcast_to((jnp.arange(p) < length)[:, None], (p, d))
-    for cache, out in zip(caches, rows, strict=True):
-        out[...] = plgpu.load(cache.at[b, src[:, None], h, jnp.arange(d)[None, :]], mask=taken, other=0)
+    index = (b, src[:, None], h, jnp.arange(d)[None, :])
+
+    def store(out, value):
+        out[...] = value
+
+    _move(caches, rows, lambda cache: plgpu.load(cache.at[index], mask=taken, other=0), store, in_flight)
 
 
-def _scatter_kernel(len_ref, length_ref, *refs, layers: int, p: int):
+def _scatter_kernel(len_ref, length_ref, *refs, layers: int, p: int, in_flight: int):
     rows, outs = refs[:layers], refs[2 * layers:]  # refs[layers:2 * layers]: the caches, aliased to outs
     b, h = pl.program_id(0), pl.program_id(1)
     dst = len_ref[...] + jnp.arange(p)
     d = rows[0].shape[-1]
     taken = jnp.broadcast_to((jnp.arange(p) < length_ref[...])[:, None], (p, d))
-    for row, out in zip(rows, outs, strict=True):
-        plgpu.store(out.at[b, dst[:, None], h, jnp.arange(d)[None, :]], row[...], mask=taken)
+    index = (b, dst[:, None], h, jnp.arange(d)[None, :])
+    _move(rows, outs, lambda row: row[...], lambda out, value: plgpu.store(out.at[index], value, mask=taken),
+          in_flight)
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "interpret", "poison"), donate_argnames=("cache",))
-def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, interpret: bool = False,
-                  poison: bool = False) -> tuple[Acceptance, KVCache]:
+@functools.partial(jax.jit, static_argnames=("max_depth", "layers_in_flight", "num_warps", "interpret", "poison"),
+                   donate_argnames=("cache",))
+def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, layers_in_flight: int = 1,
+                  num_warps: int = 1, interpret: bool = False, poison: bool = False) -> tuple[Acceptance, KVCache]:
     """The walk and the commit in two Pallas kernels (see the module docstring); `cache` is donated.
+    layers_in_flight: cache arrays whose rows are loaded before any is stored (latency overlap; the
+    measured default is 1); num_warps: Triton's, per program.
     poison (tests): the walk's outputs and row buffers start as -7 / NaN, so an element no program
     writes cannot pass."""
     tokens, parent, valid = tree.tokens, tree.parent, tree.valid
@@ -118,13 +136,15 @@ def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, interpr
     out_shape = ([jax.ShapeDtypeStruct((b, p_pad), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
                   jax.ShapeDtypeStruct((b,), jnp.int32)]
                  + [jax.ShapeDtypeStruct((b, p_pad, kv, d), c.dtype) for c in caches])
-    launch = dict(grid=(b, kv), num_warps=1, num_stages=1, interpret=interpret)
+    launch = dict(grid=(b, kv), num_warps=num_warps, num_stages=1, interpret=interpret)
     path, length, bonus, *rows = pallas_call(
-        functools.partial(_walk_gather_kernel, layers=layers, steps=p, p=p_pad), [lengths, *tree_rows, *caches],
+        functools.partial(_walk_gather_kernel, layers=layers, steps=p, p=p_pad, in_flight=layers_in_flight),
+        [lengths, *tree_rows, *caches],
         in_specs=[scalar, row, row, row, row] + [whole] * layers, out_specs=out_specs, out_shape=out_shape,
         name="accept_walk_gather", poison=poison, **launch)
     caches = pallas_call(
-        functools.partial(_scatter_kernel, layers=layers, p=p_pad), [lengths, length, *rows, *caches],
+        functools.partial(_scatter_kernel, layers=layers, p=p_pad, in_flight=layers_in_flight),
+        [lengths, length, *rows, *caches],
         in_specs=[scalar, scalar] + [rows_spec] * layers + [whole] * layers, out_specs=[whole] * layers,
         out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
         aliases={2 + layers + i: i for i in range(layers)}, name="accept_commit_scatter", **launch)

@@ -44,17 +44,17 @@ def follow_children(rng, tree, alphabet):
     return jnp.asarray(choice, jnp.int32)
 
 
-CASES = [  # batch, nodes, max depth, padding, layers, kv heads, head dim, cache slots, dtype
-    (1, 1, 3, 0, 2, 1, 16, 8, jnp.float32),
-    (3, 9, 4, 2, 2, 2, 16, 40, jnp.float32),
-    (2, 65, 15, 5, 3, 3, 32, 120, jnp.bfloat16),
-    (2, 256, 15, 30, 1, 2, 16, 300, jnp.float32),
+CASES = [  # batch, nodes, max depth, padding, layers, kv heads, head dim, cache slots, dtype, layers in flight
+    (1, 1, 3, 0, 2, 1, 16, 8, jnp.float32, 1),
+    (3, 9, 4, 2, 2, 2, 16, 40, jnp.float32, 3),
+    (2, 65, 15, 5, 3, 3, 32, 120, jnp.bfloat16, 4),
+    (2, 256, 15, 30, 1, 2, 16, 300, jnp.float32, 1),
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_reference(case):
-    b, n, depth, padding, layers, kv, d, s, dtype = case
+    b, n, depth, padding, layers, kv, d, s, dtype, in_flight = case
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     tree = random_tree(rng, b, n, depth, padding, alphabet=2)
@@ -65,7 +65,7 @@ def test_kernel_matches_reference(case):
     before = jax.tree.map(lambda x: np.array(x, copy=True), cache)
     ref_acc, ref_cache = accept_commit_reference(tree, choice, cache, max_depth=depth)
     acc, out = accept_commit(tree, choice, jax.tree.map(lambda x: jnp.array(x, copy=True), cache), max_depth=depth,
-                             interpret=True, poison=True)
+                             layers_in_flight=in_flight, interpret=True, poison=True)
     msg = f"seed {seed}"
     for got, want in zip(acc, ref_acc, strict=True):
         np.testing.assert_array_equal(got, want, err_msg=msg)
@@ -119,10 +119,11 @@ LIBRARY_SHAPES = [  # Qwen3-8B (36 layers, 8 K/V heads, dim 128) at budget 64 / 
 
 
 @pytest.mark.parametrize("shape", LIBRARY_SHAPES)
-def test_lowers_for_cuda(shape):
+@pytest.mark.parametrize("launch", [dict(), dict(layers_in_flight=8, num_warps=4)])
+def test_lowers_for_cuda(shape, launch):
     b, n, depth, layers, kv, d, s, dtype = shape
     ids = jax.ShapeDtypeStruct((b, n), jnp.int32)
     tree = Tree(ids, ids, ids, jax.ShapeDtypeStruct((b, n), jnp.bool_))
     layer = jax.ShapeDtypeStruct((b, s, kv, d), dtype)
     cache = KVCache((layer,) * layers, (layer,) * layers, jax.ShapeDtypeStruct((b,), jnp.int32))
-    assert lower_for_cuda(accept_commit, tree, ids, cache, max_depth=depth).count("triton") >= 2
+    assert lower_for_cuda(accept_commit, tree, ids, cache, max_depth=depth, **launch).count("triton") >= 2
