@@ -62,6 +62,12 @@ case "$variant" in
     timeout 150 python3 bench/tree_attention.py --nodes 1 16 64 256 --steps 50 --json "$OUT/tree_attention.json"
     timeout 100 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
       --nodes 64 --json "$OUT/verify_kernels.json" ;;
+  tree-attention-profile)  # Nsight Compute on one XLA and one kernel call at 4K, N = 64: time, SM / tensor-pipe
+    # use and occupancy per launch (the partials kernel, the merge, the XLA fusions around them)
+    ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+      python3 bench/tree_attention.py --prefix 4096 --nodes 64 --batch 1 --once > "$OUT/ncu_tree_attention.txt" 2>&1
+    grep -E "tree_attention|fusion|Duration|Compute \(SM\) Throughput|Achieved Occupancy" "$OUT/ncu_tree_attention.txt" \
+      | tail -60 ;;
   accept-in-flight)  # the acceptance kernel's move with 1 (measured default) / 8 / 24 cache arrays' loads in flight
     for launch in '{"layers_in_flight": 1, "num_warps": 1}' '{"layers_in_flight": 8, "num_warps": 4}' \
                   '{"layers_in_flight": 24, "num_warps": 4}'; do

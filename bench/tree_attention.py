@@ -26,11 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
 
-from weaver_jax.pallas_kernels.tree_attention import (  # noqa: E402
-    PROGRAMS,
-    tree_attention,
-    tree_attention_reference,
-)
+from weaver_jax.pallas_kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 
 TILES = ("block_r", "block_k", "programs", "num_warps", "num_stages")
 
@@ -40,9 +36,10 @@ def best_tiles(rows: list[dict]) -> dict:
     speedups = {}
     for row in rows:
         if "speedup" in row:
-            speedups.setdefault(tuple(row[t] for t in TILES), []).append(row["speedup"])
+            speedups.setdefault(tuple(row.get(t) for t in TILES), []).append(row["speedup"])
     complete = {k: v for k, v in speedups.items() if len(v) == max(map(len, speedups.values()))}
-    return dict(zip(TILES, max(complete, key=lambda k: np.mean(complete[k])), strict=True))
+    best = max(complete, key=lambda k: np.mean(complete[k]))
+    return {name: value for name, value in zip(TILES, best, strict=True) if value is not None}
 
 
 def timed(fn, q, ws, steps: int) -> list[float]:
@@ -57,12 +54,15 @@ def main():
     parser.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--nodes", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--programs", type=int, nargs="+", default=[PROGRAMS],
+    # Tiles: each defaults to the kernel's own default
+    parser.add_argument("--programs", type=int, nargs="+", default=[None],
                         help="programs the first kernel aims for (it picks the prefix splits)")
-    parser.add_argument("--block-k", type=int, nargs="+", default=[64])
-    parser.add_argument("--block-r", type=int, nargs="+", default=[64])
-    parser.add_argument("--warps", type=int, nargs="+", default=[4])
-    parser.add_argument("--stages", type=int, nargs="+", default=[2])
+    parser.add_argument("--block-k", type=int, nargs="+", default=[None])
+    parser.add_argument("--block-r", type=int, nargs="+", default=[None])
+    parser.add_argument("--warps", type=int, nargs="+", default=[None])
+    parser.add_argument("--stages", type=int, nargs="+", default=[None])
+    parser.add_argument("--once", action="store_true",
+                        help="run XLA and the kernel once each, untimed (for a profiler such as ncu)")
     parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="query heads, K/V heads, head dim")
     parser.add_argument("--steps", type=int, default=100, help="calls per timed loop")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
@@ -86,9 +86,12 @@ def main():
                 ancestors = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
                 ws = (k_cache, v_cache, lengths, ancestors)
                 ref = tree_attention_reference(q, *ws)
+                if args.once:
+                    jax.block_until_ready(tree_attention(q, *ws, interpret=args.interpret))
+                    continue
                 xla = timed(lambda q, ws: tree_attention_reference(q, *ws), q, ws, args.steps)
                 for tiles in itertools.product(args.block_r, args.block_k, args.programs, args.warps, args.stages):
-                    options = dict(zip(TILES, tiles, strict=True))
+                    options = {name: value for name, value in zip(TILES, tiles, strict=True) if value is not None}
                     kernel = lambda q, ws, o=options: tree_attention(q, *ws, interpret=args.interpret, **o)  # noqa: E731
                     try:
                         error = float(jnp.abs(kernel(q, ws) - ref).max())
