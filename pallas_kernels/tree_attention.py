@@ -6,7 +6,8 @@ Two Pallas Triton kernels, flash-decoding style:
      (node, head) pairs of one K/V head, so each K/V load serves all G query heads of the group.
      Splits `0 .. J-1` take equal shares of that sequence's own prefix (the share follows `len` at
      run time, so a cache much longer than the prefix costs nothing); split J takes the tree's
-     slots under the ancestor mask. Each writes an unnormalised partial (o, m, l).
+     slots under the ancestor mask, read per row from the `[N, N]` table (int8, not repeated per
+     head: a long prefill's mask stays N x N bytes). Each writes an unnormalised partial (o, m, l).
   2. merge: the J + 1 partials of each row by log-sum-exp, normalised.
 J is chosen so that the first kernel has about `PROGRAMS` programs (a couple per multiprocessor of
 an H100 / H200). `tree_attention_reference` is the plain masked softmax both must equal.
@@ -42,10 +43,11 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, ancestors):
     return gqa_attention(q.reshape(b, n, kv, h // kv, d), k_cache, v_cache, mask).reshape(b, n, h, d)
 
 
-def _partials_kernel(len_ref, q_ref, k_ref, v_ref, visible_ref, o_ref, m_ref, l_ref, *, splits: int, block_k: int,
-                     block_t: int, scale: float):
+def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, l_ref, *, splits: int, block_k: int,
+                     block_t: int, group: int, scale: float):
     """One (batch, K/V head, row block, split): rows `q_ref [R_blk, D]` against the sequence's keys
-    `k_ref [S, D]`; `visible_ref [R_blk, N_pad]` is the ancestor mask of the rows' nodes."""
+    `k_ref [S, D]`; `ancestors_ref [N, N_pad]` int8 is the tree's visibility, row r of the block
+    being node (block start + r) // group."""
     length, split = len_ref[...], pl.program_id(3)
     q = q_ref[...]
     rows, d = q.shape
@@ -71,9 +73,15 @@ def _partials_kernel(len_ref, q_ref, k_ref, v_ref, visible_ref, o_ref, m_ref, l_
     # Trip counts as int32 products: a `where` of two constants can lower to i1, which scf.for rejects
     blocks = (split < splits).astype(jnp.int32) * jnp.clip(pl.cdiv(length - start, block_k), 0, share // block_k)
     carry = jax.lax.fori_loop(0, blocks, lambda i, c: attend(c, start + i * block_k, block_k, length, None), carry)
-    tree_blocks = (split == splits).astype(jnp.int32) * (visible_ref.shape[1] // block_t)
+    n, n_pad = ancestors_ref.shape
+    nodes = jnp.minimum((pl.program_id(2) * rows + jnp.arange(rows)) // group, n - 1)  # padding rows: any node
+
+    def visible(i):  # [R_blk, block_t]: the rows' ancestor flags for tree keys [i * block_t, (i + 1) * block_t)
+        return plgpu.load(ancestors_ref.at[nodes[:, None], (i * block_t + jnp.arange(block_t))[None, :]]) != 0
+
+    tree_blocks = (split == splits).astype(jnp.int32) * (n_pad // block_t)
     carry = jax.lax.fori_loop(0, tree_blocks, lambda i, c: attend(
-        c, length + i * block_t, block_t, k_ref.shape[0], visible_ref[:, pl.ds(i * block_t, block_t)] != 0), carry)
+        c, length + i * block_t, block_t, k_ref.shape[0], visible(i)), carry)
     o_ref[...], m_ref[...], l_ref[...] = carry
 
 
@@ -126,19 +134,19 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
 
     qg = q.reshape(b, n, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, rows, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
-    visible = jnp.repeat(ancestors.astype(jnp.int32), g, axis=1)  # [B, rows, N]: row r is node r // g
-    visible = jnp.pad(visible, ((0, 0), (0, rows_padded - rows), (0, n_pad - n)))
+    tree_mask = jnp.pad(ancestors.astype(jnp.int8), ((0, 0), (0, 0), (0, n_pad - n)))  # [B, N, N_pad]
     cache_spec = pl.BlockSpec((None, s_len, None, d), lambda i, k, j, c: (i, 0, k, 0))
     partial_specs = [pl.BlockSpec((None, None, None, block_r, d), lambda i, k, j, c: (i, k, c, j, 0)),
                      pl.BlockSpec((None, None, None, block_r), lambda i, k, j, c: (i, k, c, j)),
                      pl.BlockSpec((None, None, None, block_r), lambda i, k, j, c: (i, k, c, j))]
     columns = splits + 1
     partials = pallas_call(
-        functools.partial(_partials_kernel, splits=splits, block_k=block_k, block_t=block_t, scale=1 / math.sqrt(d)),
-        [lengths.astype(jnp.int32), qg, k_cache, v_cache, visible], grid=(b, kv, row_blocks, columns),
+        functools.partial(_partials_kernel, splits=splits, block_k=block_k, block_t=block_t, group=g,
+                          scale=1 / math.sqrt(d)),
+        [lengths.astype(jnp.int32), qg, k_cache, v_cache, tree_mask], grid=(b, kv, row_blocks, columns),
         in_specs=[pl.BlockSpec((None,), lambda i, k, j, c: (i,)),
                   pl.BlockSpec((None, None, block_r, d), lambda i, k, j, c: (i, k, j, 0)), cache_spec, cache_spec,
-                  pl.BlockSpec((None, block_r, n_pad), lambda i, k, j, c: (i, j, 0))],
+                  pl.BlockSpec((None, n, n_pad), lambda i, k, j, c: (i, 0, 0))],
         out_specs=partial_specs,
         out_shape=[jax.ShapeDtypeStruct((b, kv, columns, rows_padded, d), jnp.float32),
                    jax.ShapeDtypeStruct((b, kv, columns, rows_padded), jnp.float32),
