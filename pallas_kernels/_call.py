@@ -1,4 +1,4 @@
-"""`pallas_call` with the tests' poisoning in one place."""
+"""What the kernels share: `pallas_call` with the tests' poisoning, and power-of-two block sizes."""
 
 from __future__ import annotations
 
@@ -29,3 +29,8 @@ def pallas_call(kernel, args, *, grid, in_specs, out_specs, out_shape, name: str
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           input_output_aliases=aliases, interpret=interpret, name=name,
                           compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages))(*args)
+
+
+def pow2_at_least(n: int, low: int = 1) -> int:
+    """The smallest power of two >= max(n, low) (Triton's block dimensions are powers of two)."""
+    return max(low, 1 << (max(n, 1) - 1).bit_length())

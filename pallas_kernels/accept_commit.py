@@ -32,17 +32,13 @@ from jax.experimental.pallas import triton as plgpu
 from weaver_jax._model import KVCache
 from weaver_jax._speculative import Acceptance, commit_kv, walk_choices
 from weaver_jax._tree import Tree
-from weaver_jax.pallas_kernels._call import pallas_call
+from weaver_jax.pallas_kernels._call import pallas_call, pow2_at_least
 
 
 def accept_commit_reference(tree: Tree, choice, cache: KVCache, *, max_depth: int) -> tuple[Acceptance, KVCache]:
     """The walk over `choice` and the K/V move in plain JAX (`_speculative.walk_choices` + `commit_kv`)."""
     acc = walk_choices(tree, choice, max_depth)
     return acc, commit_kv(cache, acc.path)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _walk(tokens_ref, parent_ref, valid_ref, choice_ref, *, steps: int, p: int):
@@ -122,8 +118,8 @@ def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, layers_
     _, _, kv, d = caches[0].shape
     if d < 16 or d & (d - 1):
         raise ValueError(f"head dim {d} must be a power of two >= 16")
-    p, n_pad = max_depth + 1, _pow2(max(n, 2))
-    p_pad = _pow2(max(p, 2))
+    p, n_pad = max_depth + 1, pow2_at_least(n, 2)
+    p_pad = pow2_at_least(p, 2)
     pad = lambda x, fill: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, n_pad - n)), constant_values=fill)  # noqa: E731
     tree_rows = [pad(tokens, 0), pad(parent, -1), pad(valid, 0), pad(choice, 0)]
     lengths = lengths.astype(jnp.int32)

@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from weaver_jax._model import gqa_attention
 from weaver_jax.pallas_kernels import MASKED_SCORE
-from weaver_jax.pallas_kernels._call import pallas_call
+from weaver_jax.pallas_kernels._call import pallas_call, pow2_at_least
 
 
 def visible_slots(own: jax.Array, prefix_len: int, max_depth: int) -> jax.Array:
@@ -35,7 +35,7 @@ def visible_slots(own: jax.Array, prefix_len: int, max_depth: int) -> jax.Array:
     b, w, n = own.shape
     path = min(n, max_depth + 1)
     nodes = jax.lax.top_k(jnp.where(own, jnp.arange(n), -1), path)[0]  # [B, W, path], -1 where fewer
-    width = 1 << (prefix_len + path - 1).bit_length()
+    width = pow2_at_least(prefix_len + path)
     return jnp.concatenate([jnp.broadcast_to(jnp.arange(prefix_len, dtype=jnp.int32), (b, w, prefix_len)),
                             jnp.where(nodes >= 0, prefix_len + nodes, -1).astype(jnp.int32),
                             jnp.full((b, w, width - prefix_len - path), -1, jnp.int32)], axis=2)

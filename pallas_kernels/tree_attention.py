@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from weaver_jax._model import gqa_attention, visibility_mask
 from weaver_jax.pallas_kernels import MASKED_SCORE
-from weaver_jax.pallas_kernels._call import pallas_call
+from weaver_jax.pallas_kernels._call import pallas_call, pow2_at_least
 
 PROGRAMS = 264  # partial-kernel programs to aim for: two per multiprocessor of an H100 / H200 (132)
 MERGE_ROWS = 16  # rows per merge program
@@ -41,6 +41,12 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, ancestors):
     kv = k_cache.shape[2]
     mask = visibility_mask(lengths, ancestors, k_cache.shape[1])
     return gqa_attention(q.reshape(b, n, kv, h // kv, d), k_cache, v_cache, mask).reshape(b, n, h, d)
+
+
+def _empty_softmax(rows: int, d: int):
+    """An online softmax over no keys yet: o `[rows, d]` = 0, running max m = MASKED_SCORE, total l = 0."""
+    return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASKED_SCORE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
 
 
 def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, l_ref, *, splits: int, block_k: int,
@@ -66,8 +72,7 @@ def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, 
         o = o * correction[:, None] + plgpu.dot(p.astype(values.dtype), values)
         return o, m_new, total * correction + p.sum(axis=1)
 
-    carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASKED_SCORE, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
+    carry = _empty_softmax(rows, d)
     share = block_k * pl.cdiv(pl.cdiv(length, block_k), splits)  # prefix keys per split
     start = split * share
     # Trip counts as int32 products: a `where` of two constants can lower to i1, which scf.for rejects
@@ -95,15 +100,8 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
         old, new = jnp.exp(m - m_new), jnp.exp(m_j - m_new)
         return acc * old[:, None] + o_ref[j, :, :] * new[:, None], m_new, total * old + l_ref[j, :] * new
 
-    rows, d = out_ref.shape
-    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASKED_SCORE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, _, total = jax.lax.fori_loop(0, m_ref.shape[0], merge, init)
+    acc, _, total = jax.lax.fori_loop(0, m_ref.shape[0], merge, _empty_softmax(*out_ref.shape))
     out_ref[...] = acc / total[:, None]
-
-
-def _pow2_at_least(n: int, low: int) -> int:
-    return max(low, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
 @functools.partial(jax.jit, static_argnames=("block_r", "block_k", "splits", "programs", "num_warps", "num_stages",
@@ -122,11 +120,11 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     if d < 16 or d & (d - 1):
         raise ValueError(f"head dim {d} must be a power of two >= 16")
     rows = n * g  # node-major (node, head) pairs of one K/V head, padded to the row block
-    block_r = min(_pow2_at_least(block_r, 16), _pow2_at_least(rows, 16))
+    block_r = min(pow2_at_least(block_r, 16), pow2_at_least(rows, 16))
     row_blocks = -(-rows // block_r)
     rows_padded = row_blocks * block_r
-    block_k = _pow2_at_least(block_k, 16)
-    block_t = min(block_k, _pow2_at_least(n, 16))
+    block_k = pow2_at_least(block_k, 16)
+    block_t = min(block_k, pow2_at_least(n, 16))
     n_pad = -(-n // block_t) * block_t
     if splits is None:
         splits = -(-programs // (b * kv * row_blocks))
