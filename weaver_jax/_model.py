@@ -276,8 +276,9 @@ class Transformer(nnx.Module):
 
 
 class TreeVisibility(NamedTuple):
-    """Visibility given as the committed prefix plus `attend [B, T, T]` among the new tokens, for
-    the tree-attention kernel (which never builds the `[B, T, S]` mask)."""
+    """Visibility given as the committed prefix plus `attend [B, T, T]` (int8, 1: visible) among the
+    new tokens, for the tree-attention kernel (which never builds the `[B, T, S]` mask; the table is
+    converted from bool once per forward, not once per layer)."""
 
     attend: jax.Array
 
@@ -296,7 +297,7 @@ def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_la
     unchanged). `mask [B, T, S]` (or a `SlotVisibility`) overrides the committed-prefix + `attend` visibility; `kernel`
     computes that visibility inside the Pallas tree-attention kernel instead."""
     if mask is None:
-        mask = TreeVisibility(attend) if kernel else visibility_mask(cache.lengths, attend, cache.size)
+        mask = TreeVisibility(attend.astype(jnp.int8)) if kernel else visibility_mask(cache.lengths, attend, cache.size)
     hidden, ks, vs = {}, [], []
     for i, layer in enumerate(layers):
         x, k, v = layer(x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, mask)
