@@ -63,17 +63,36 @@ case "$variant" in
     timeout 100 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
       --nodes 64 --json "$OUT/verify_kernels.json" ;;
   tree-attention-profile)  # Nsight Compute on one XLA and one kernel call at 4K, N = 64: time, SM / tensor-pipe
-    # use and occupancy per launch (the partials kernel, the merge, the XLA fusions around them)
-    ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
-      python3 bench/tree_attention.py --prefix 4096 --nodes 64 --batch 1 --once > "$OUT/ncu_tree_attention.txt" 2>&1
-    grep -E "tree_attention|fusion|Duration|Compute \(SM\) Throughput|Achieved Occupancy" "$OUT/ncu_tree_attention.txt" \
-      | tail -60 ;;
-  accept-in-flight)  # the acceptance kernel's move with 1 (measured default) / 8 / 24 cache arrays' loads in flight
-    for launch in '{"layers_in_flight": 1, "num_warps": 1}' '{"layers_in_flight": 8, "num_warps": 4}' \
-                  '{"layers_in_flight": 24, "num_warps": 4}'; do
-      python3 bench/verify.py --shape qwen3-8b --batch 8 --contexts 1024 --kernels on --stages round --methods weaver \
-        --kernel-options "{\"accept_commit\": $launch}"
+    # use and occupancy per launch. Without preallocation: ncu saves and restores the memory in use around
+    # each replay, and JAX's default 75% of the GPU made that time out
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    timeout 150 ncu --clock-control none -k regex:"tree_attention|fusion" --section SpeedOfLight --section Occupancy \
+      --section LaunchStats python3 bench/tree_attention.py --prefix 4096 --nodes 64 --batch 1 --once \
+      > "$OUT/ncu_tree_attention.txt" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy" \
+      "$OUT/ncu_tree_attention.txt" | tail -60
+    timeout 90 ncu --clock-control none -k regex:tree_attention_partials --metrics \
+      sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.sum,sm__inst_executed_pipe_tensor_op_hmma.sum \
+      python3 bench/tree_attention.py --prefix 16384 --nodes 64 --batch 1 --once > "$OUT/ncu_tensor_pipes.txt" 2>&1
+    tail -12 "$OUT/ncu_tensor_pipes.txt" ;;
+  accept-in-flight)  # the acceptance kernel's move with 1 / 8 (the default since this run) / 24 cache arrays' loads in flight
+    for n in 1 8 24; do
+      timeout 80 python3 bench/verify.py --shape qwen3-8b --batch 8 --contexts 1024 --kernels on --stages round \
+        --methods weaver --kernel-options "{\"accept_commit\": {\"layers_in_flight\": $n, \"num_warps\": $((n > 1 ? 4 : 1))}}" \
+        --json "$OUT/accept_in_flight_$n.json"
     done ;;
+  issue8-v3)  # tree attention v3 (q / output in place, unmasked whole blocks, exp2, merge of 16 columns per load,
+    # 2 stages): the table at row blocks 64 / 128, SmolLM2's heads, whole verification (Qwen3-8B 1K / 16K,
+    # SmolLM2 512) kernels off vs on. About 9 minutes: run the table alone if time is short
+    timeout 330 python3 bench/tree_attention.py --nodes 16 64 256 --block-r 64 128 --steps 50 \
+      --json "$OUT/tree_attention.json" > "$OUT/tree_attention.jsonl"
+    timeout 60 python3 bench/tree_attention.py --heads 9 3 64 --prefix 512 2048 --nodes 16 64 --batch 1 \
+      --json "$OUT/tree_attention_smollm2.json"
+    timeout 110 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
+      --nodes 64 --json "$OUT/verify_qwen.json" 2> "$OUT/verify_qwen.err"
+    timeout 60 python3 bench/verify.py --shape smollm2-135m --contexts 512 --kernels off on --stages verify \
+      --nodes 16 64 --json "$OUT/verify_smollm2.json" 2> "$OUT/verify_smollm2.err"
+    tail -c 1500 "$OUT"/verify_*.err ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

@@ -7,7 +7,9 @@
 Qwen3-8B shape (32 query / 8 K/V heads, head dim 128, bf16), one layer: prefix 1K / 4K / 16K, tree
 nodes 16 / 64 / 256, batch 1 and 8. Each is timed inside a `fori_loop` with a loop-carried
 dependency (bench/decode.py), twice, with the kernel's output checked against the reference first.
-Floor: reading the prefix's K/V once at 3.7 TB/s.
+Floors: reading the prefix's K/V once at 3.7 TB/s (`floor_ms`), and the two products' FLOPs (4 B N H
+prefix D) at the H200's measured 790 TFLOP/s for bf16 (`flop_floor_ms`): with G = 4 query heads per
+K/V head the products do 4 N G FLOPs per K/V byte, so from N of about 16 the FLOP floor is the higher.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def main():
                     except Exception as e:  # a configuration Triton rejects (e.g. out of shared memory)
                         row = dict(failed=f"{type(e).__name__}: {str(e)[:200]}")
                     row.update(batch=b, prefix=prefix, nodes=n, **options, xla_ms=xla,
-                               floor_ms=2 * b * prefix * kv * d * 2 / 3.7e12 * 1e3)
+                               floor_ms=2 * b * prefix * kv * d * 2 / 3.7e12 * 1e3,
+                               flop_floor_ms=4 * b * n * h * prefix * d / 790e12 * 1e3)
                     if "kernel_ms" in row:
                         row["speedup"] = float(np.mean(xla) / np.mean(row["kernel_ms"]))
                     rows.append(row)
