@@ -93,6 +93,15 @@ case "$variant" in
     timeout 60 python3 bench/verify.py --shape smollm2-135m --contexts 512 --kernels off on --stages verify \
       --nodes 16 64 --json "$OUT/verify_smollm2.json" 2> "$OUT/verify_smollm2.err"
     tail -c 1500 "$OUT"/verify_*.err ;;
+  issue8-next)  # what v3's numbers left open: the kernel at N = 1 (Qwen3-8B and SmolLM2 heads: may decode steps
+    # use it?), prefix splits where (K/V head, row block) pairs are many (N = 256), block_r 128 in whole verification
+    timeout 120 python3 bench/tree_attention.py --nodes 1 --prefix 1024 16384 --json "$OUT/n1_qwen.json"
+    timeout 90 python3 bench/tree_attention.py --heads 9 3 64 --nodes 1 16 --prefix 512 2048 --batch 1 8 \
+      --json "$OUT/n1_smollm2.json"
+    timeout 150 python3 bench/tree_attention.py --nodes 256 --prefix 4096 16384 --batch 1 --block-r 64 128 \
+      --splits 1 2 3 4 7 --json "$OUT/splits_n256.json"
+    timeout 120 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels on --stages verify --nodes 64 \
+      --kernel-options '{"tree_attention": {"block_r": 128}}' --json "$OUT/verify_block_r128.json" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

@@ -30,7 +30,7 @@ import decode as bench  # noqa: E402
 
 from weaver_jax.pallas_kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 
-TILES = ("block_r", "block_k", "programs", "num_warps", "num_stages")
+TILES = ("block_r", "block_k", "programs", "splits", "num_warps", "num_stages")
 
 
 def best_tiles(rows: list[dict]) -> dict:
@@ -59,6 +59,7 @@ def main():
     # Tiles: each defaults to the kernel's own default
     parser.add_argument("--programs", type=int, nargs="+", default=[None],
                         help="programs the first kernel aims for (it picks the prefix splits)")
+    parser.add_argument("--splits", type=int, nargs="+", default=[None], help="prefix splits J (overrides --programs)")
     parser.add_argument("--block-k", type=int, nargs="+", default=[None])
     parser.add_argument("--block-r", type=int, nargs="+", default=[None])
     parser.add_argument("--warps", type=int, nargs="+", default=[None])
@@ -92,7 +93,8 @@ def main():
                     jax.block_until_ready(tree_attention(q, *ws, interpret=args.interpret))
                     continue
                 xla = timed(lambda q, ws: tree_attention_reference(q, *ws), q, ws, args.steps)
-                for tiles in itertools.product(args.block_r, args.block_k, args.programs, args.warps, args.stages):
+                for tiles in itertools.product(args.block_r, args.block_k, args.programs, args.splits, args.warps,
+                                               args.stages):
                     options = {name: value for name, value in zip(TILES, tiles, strict=True) if value is not None}
                     kernel = lambda q, ws, o=options: tree_attention(q, *ws, interpret=args.interpret, **o)  # noqa: E731
                     try:
