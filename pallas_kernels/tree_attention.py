@@ -11,7 +11,8 @@ Two Pallas Triton kernels, flash-decoding style:
   2. merge: the J + 1 partials of each row by log-sum-exp, normalised, several partials per load.
 J + 1 is the largest power of two that keeps the first kernel within `PROGRAMS` programs: two per
 multiprocessor of an H100 / H200, which is what fits with 2 pipeline stages (3 stages' K/V buffers
-leave room for one program per multiprocessor: measured 25-40% slower). `tree_attention_reference` is the plain masked softmax both must equal.
+leave room for one program per multiprocessor: measured 25-40% slower). `tree_attention_reference`
+is the plain masked softmax both must equal.
 
 Shapes: q `[B, N, H, D]`, k_cache / v_cache `[B, S, H_kv, D]` (the tree's K/V already written at
 `[len, len + N)`, len + N <= S), lengths `[B]`, ancestors `[B, N, N]` (`Tree.ancestors()`).
@@ -143,7 +144,8 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     """Tree attention in two Pallas kernels (see the module docstring).
     block_r: (node, head) rows per program (at most); block_k: prefix keys per inner step (the tree's
     keys go in steps of min(block_k, N)); splits: prefix splits J (default: J + 1 the largest power
-    of two with at most `programs` programs in the first kernel); num_warps, num_stages: Triton's launch parameters of the partials kernel.
+    of two with at most `programs` programs in the first kernel); num_warps, num_stages: Triton's
+    launch parameters of the partials kernel.
     poison (tests): outputs start as NaN, so an element no program writes cannot pass."""
     b, n, h, d = q.shape
     s_len, kv = k_cache.shape[1], k_cache.shape[2]
@@ -185,7 +187,8 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     merge_spec = lambda *tail: pl.BlockSpec((None, None, columns, merge_rows, *tail),  # noqa: E731
                                             lambda i, k, j: (i, k, 0, j, *(0 for _ in tail)))
     out = pallas_call(
-        functools.partial(_merge_kernel, group=g, nodes=n, width=width), partials, grid=(b, kv, rows_padded // merge_rows),
+        functools.partial(_merge_kernel, group=g, nodes=n, width=width), partials,
+        grid=(b, kv, rows_padded // merge_rows),
         in_specs=[merge_spec(d), merge_spec(), merge_spec()],
         out_specs=pl.BlockSpec((None, n * h, d), lambda i, k, j: (i, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((b, n * h, d), q.dtype),
