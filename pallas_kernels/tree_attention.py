@@ -116,19 +116,25 @@ def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, 
     o_ref[...], m_ref[...], l_ref[...] = carry
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int, nodes: int, width: int):
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int, nodes: int, width: int, used: int):
     """One (batch, K/V head, row block): partials `o_ref [C, R_blk, D]`, `m_ref`, `l_ref [C, R_blk]`
-    -> the block's rows of `out_ref [N * H, D]`. The C columns (J + 1 used, the rest empty) are
-    loaded `width` at a time as one tile, so their loads are in flight together (a loop of one
-    column per step waits for each in turn: 18 us at 4K, N = 64, of a 57 us call)."""
+    -> the block's rows of `out_ref [N * H, D]`. The columns are loaded `width` at a time as one
+    tile, so their loads are in flight together (a loop of one column per step waits for each in
+    turn: 18 us at 4K, N = 64, of a 57 us call); columns past the `used` J + 1 (C rounds up to
+    `width`) were never written and are masked."""
     def merge(c, carry):
         acc, m, total = carry
         chunk = pl.ds(c * width, width)
-        m_c = m_ref[chunk, :]  # [W, R_blk]
+        if used == columns:  # the default: J + 1 a power of two, nothing to mask
+            m_c, l_c, o_c = m_ref[chunk, :], l_ref[chunk, :], o_ref[chunk, :, :]  # [W, R_blk], [W, R_blk, D]
+        else:
+            inside = c * width + jnp.arange(width) < used
+            m_c = plgpu.load(m_ref.at[chunk], mask=inside[:, None], other=MASKED_SCORE)
+            l_c = plgpu.load(l_ref.at[chunk], mask=inside[:, None], other=0)
+            o_c = plgpu.load(o_ref.at[chunk], mask=inside[:, None, None], other=0)
         m_new = jnp.maximum(m, m_c.max(axis=0))
         old, new = jnp.exp2(m - m_new), jnp.exp2(m_c - m_new[None, :])
-        return (acc * old[:, None] + (o_ref[chunk, :, :] * new[:, :, None]).sum(axis=0), m_new,
-                total * old + (l_ref[chunk, :] * new).sum(axis=0))
+        return acc * old[:, None] + (o_c * new[:, :, None]).sum(axis=0), m_new, total * old + (l_c * new).sum(axis=0)
 
     columns, rows, d = o_ref.shape
     acc, _, total = jax.lax.fori_loop(0, columns // width, merge, _empty_softmax(rows, d))
@@ -162,7 +168,7 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
         splits = max(2, 1 << (max(1, programs // (b * kv * row_blocks)).bit_length() - 1)) - 1
     splits = max(1, min(splits, -(-s_len // block_k)))
     width = min(MERGE_COLUMNS, pow2_at_least(splits + 1))  # columns the merge reads per step
-    columns = -(-(splits + 1) // width) * width  # columns past J + 1: idle programs writing empty partials
+    columns = -(-(splits + 1) // width) * width  # allocated; the first kernel writes J + 1, the merge masks the rest
     merge_rows = max(2, min(MERGE_ROWS, MERGE_TILE // (width * d), block_r))
 
     q_rows = q.reshape(b, n * h, d)  # the kernels gather their (node, head) rows: no transposed copy of q
@@ -174,7 +180,7 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     partials = pallas_call(
         functools.partial(_partials_kernel, splits=splits, block_k=block_k, block_t=block_t, group=g,
                           scale=math.log2(math.e) / math.sqrt(d)),
-        [lengths.astype(jnp.int32), q_rows, k_cache, v_cache, tree_mask], grid=(b, kv, row_blocks, columns),
+        [lengths.astype(jnp.int32), q_rows, k_cache, v_cache, tree_mask], grid=(b, kv, row_blocks, splits + 1),
         in_specs=[pl.BlockSpec((None,), lambda i, k, j, c: (i,)),
                   pl.BlockSpec((None, n * h, d), lambda i, k, j, c: (i, 0, 0)), cache_spec, cache_spec,
                   pl.BlockSpec((None, n, n), lambda i, k, j, c: (i, 0, 0))],
@@ -187,7 +193,7 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     merge_spec = lambda *tail: pl.BlockSpec((None, None, columns, merge_rows, *tail),  # noqa: E731
                                             lambda i, k, j: (i, k, 0, j, *(0 for _ in tail)))
     out = pallas_call(
-        functools.partial(_merge_kernel, group=g, nodes=n, width=width), partials,
+        functools.partial(_merge_kernel, group=g, nodes=n, width=width, used=splits + 1), partials,
         grid=(b, kv, rows_padded // merge_rows),
         in_specs=[merge_spec(d), merge_spec(), merge_spec()],
         out_specs=pl.BlockSpec((None, n * h, d), lambda i, k, j: (i, 0, 0)),

@@ -72,13 +72,14 @@ LIBRARY_SHAPES = [  # Qwen3-8B (32 / 8 heads, dim 128) at N = 1 / 64 / 256, B = 
 ]
 
 
-@pytest.mark.parametrize("shape", LIBRARY_SHAPES)
-def test_lowers_for_cuda(shape):
+@pytest.mark.parametrize("shape, options", [(shape, {}) for shape in LIBRARY_SHAPES] + [
+    (LIBRARY_SHAPES[1], dict(splits=8, block_r=128))])  # a bench sweep's: the merge masks unwritten columns
+def test_lowers_for_cuda(shape, options):
     b, n, h, kv, d, s, dtype = shape
     args = [jax.ShapeDtypeStruct((b, n, h, d), dtype), jax.ShapeDtypeStruct((b, s, kv, d), dtype),
             jax.ShapeDtypeStruct((b, s, kv, d), dtype), jax.ShapeDtypeStruct((b,), jnp.int32),
             jax.ShapeDtypeStruct((b, n, n), jnp.bool_)]
-    lower_for_cuda(tree_attention, *args)
+    lower_for_cuda(tree_attention, *args, **options)
 
 
 @pytest.mark.parametrize("method, options, temperature", [
