@@ -94,12 +94,15 @@ case "$variant" in
       --nodes 16 64 --json "$OUT/verify_smollm2.json" 2> "$OUT/verify_smollm2.err"
     tail -c 1500 "$OUT"/verify_*.err ;;
   issue8-next)  # what v3's numbers left open: the kernel at N = 1 (Qwen3-8B and SmolLM2 heads: may decode steps
-    # use it?), prefix splits where (K/V head, row block) pairs are many (N = 256), block_r 128 in whole verification
+    # use it?), prefix splits where (K/V head, row block) pairs are many (N = 256), larger tiles at 16K, block_r 128
+    # in whole verification. About 9 minutes
     timeout 120 python3 bench/tree_attention.py --nodes 1 --prefix 1024 16384 --json "$OUT/n1_qwen.json"
     timeout 90 python3 bench/tree_attention.py --heads 9 3 64 --nodes 1 16 --prefix 512 2048 --batch 1 8 \
       --json "$OUT/n1_smollm2.json"
     timeout 150 python3 bench/tree_attention.py --nodes 256 --prefix 4096 16384 --batch 1 --block-r 64 128 \
-      --splits 1 2 3 4 7 --json "$OUT/splits_n256.json"
+      --splits 1 2 3 7 --json "$OUT/splits_n256.json"
+    timeout 70 python3 bench/tree_attention.py --nodes 64 --prefix 16384 --batch 1 --block-r 128 --block-k 64 128 \
+      --warps 4 8 --json "$OUT/tiles_16k.json"
     timeout 120 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels on --stages verify --nodes 64 \
       --kernel-options '{"tree_attention": {"block_r": 128}}' --json "$OUT/verify_block_r128.json" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
