@@ -122,6 +122,8 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int, nodes: int, width
     tile, so their loads are in flight together (a loop of one column per step waits for each in
     turn: 18 us at 4K, N = 64, of a 57 us call); columns past the `used` J + 1 (C rounds up to
     `width`) were never written and are masked."""
+    columns, rows, d = o_ref.shape
+
     def merge(c, carry):
         acc, m, total = carry
         chunk = pl.ds(c * width, width)
@@ -136,7 +138,6 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int, nodes: int, width
         old, new = jnp.exp2(m - m_new), jnp.exp2(m_c - m_new[None, :])
         return acc * old[:, None] + (o_c * new[:, :, None]).sum(axis=0), m_new, total * old + (l_c * new).sum(axis=0)
 
-    columns, rows, d = o_ref.shape
     acc, _, total = jax.lax.fori_loop(0, columns // width, merge, _empty_softmax(rows, d))
     _, out_rows = _query_rows(pl.program_id(2), rows, group, out_ref.shape[0] // nodes, nodes)
     plgpu.store(out_ref.at[out_rows[:, None], jnp.arange(d)[None, :]], (acc / total[:, None]).astype(out_ref.dtype))
