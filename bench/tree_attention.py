@@ -6,7 +6,8 @@
 
 Qwen3-8B shape (32 query / 8 K/V heads, head dim 128, bf16), one layer: prefix 1K / 4K / 16K, tree
 nodes 16 / 64 / 256, batch 1 and 8. Each is timed inside a `fori_loop` with a loop-carried
-dependency (bench/decode.py), twice, with the kernel's output checked against the reference first.
+dependency (bench/decode.py), `--layers` calls chained per iteration as a forward chains its layers,
+twice, with the kernel's output checked against the reference first; `harness_ms` is the loop alone.
 Floors: reading the prefix's K/V once at 3.7 TB/s (`floor_ms`), and the two products' FLOPs (4 B N H
 prefix D) at the H200's measured 790 TFLOP/s for bf16 (`flop_floor_ms`): with G = 4 query heads per
 K/V head the products do 4 N G FLOPs per K/V byte, so from N of about 16 the FLOP floor is the higher.
@@ -44,11 +45,23 @@ def best_tiles(rows: list[dict]) -> dict:
     return {name: value for name, value in zip(TILES, best, strict=True) if value is not None}
 
 
-def timed(fn, q, ws, steps: int) -> list[float]:
+def v3_tiles(batch: int, kv_heads: int, rows: int) -> dict:
+    """The third version's defaults, as explicit tiles (a same-run baseline): row blocks of 64, J + 1
+    the largest power of two with at most 264 programs."""
+    pairs = batch * kv_heads * -(-rows // 64)
+    return dict(block_r=64, splits=max(2, 1 << (max(1, 264 // pairs).bit_length() - 1)) - 1)
+
+
+def timed(fn, q, ws, steps: int, layers: int) -> list[float]:
     """ms per call of fn(q, ws), twice, inside a loop whose carry depends on the output: (time of
-    steps + 1 calls - time of 1) / steps, median of 5 (enough steps that host jitter is noise)."""
-    body = lambda c, ws: (c + 1e-3 * fn(c, ws).astype(c.dtype)).astype(c.dtype)  # noqa: E731
-    return [bench._looped_seconds(body, q, ws, steps, 5) * 1e3 for _ in range(2)]
+    steps + 1 iterations - time of 1) / steps / layers, median of 5. Each iteration chains `layers`
+    calls, as a model's forward chains its layers: a GPU while loop waits for its predicate on the
+    host every iteration (0.017-0.024 ms measured), which a model pays once per forward, not per layer."""
+    def body(c, ws):
+        for _ in range(layers):
+            c = (c + 1e-3 * fn(c, ws).astype(c.dtype)).astype(c.dtype)
+        return c
+    return [bench._looped_seconds(body, q, ws, steps, 5) * 1e3 / layers for _ in range(2)]
 
 
 def main():
@@ -64,10 +77,14 @@ def main():
     parser.add_argument("--block-r", type=int, nargs="+", default=[None])
     parser.add_argument("--warps", type=int, nargs="+", default=[None])
     parser.add_argument("--stages", type=int, nargs="+", default=[None])
+    parser.add_argument("--v3", action="store_true", help="also time the third version's tiles (see v3_tiles)")
     parser.add_argument("--once", action="store_true",
                         help="run XLA and the kernel once each, untimed (for a profiler such as ncu)")
+    parser.add_argument("--cache", type=int, default=0,
+                        help="cache slots (default: the prefix and the tree, rounded up to 128)")
     parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="query heads, K/V heads, head dim")
-    parser.add_argument("--steps", type=int, default=100, help="calls per timed loop")
+    parser.add_argument("--steps", type=int, default=100, help="iterations per timed loop")
+    parser.add_argument("--layers", type=int, default=8, help="calls chained per loop iteration")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--pick", type=Path, help="print the best tiles of a sweep's JSON and exit")
@@ -80,7 +97,7 @@ def main():
     for b in args.batch:
         for prefix in args.prefix:
             for n in args.nodes:
-                s = -(-(prefix + n) // 128) * 128
+                s = -(-max(prefix + n, args.cache) // 128) * 128
                 keys = jax.random.split(jax.random.key(prefix + n + b), 3)
                 q = jax.random.normal(keys[0], (b, n, h, d), jnp.bfloat16)
                 k_cache = jax.random.normal(keys[1], (b, s, kv, d), jnp.bfloat16)
@@ -92,17 +109,20 @@ def main():
                 if args.once:
                     jax.block_until_ready(tree_attention(q, *ws, interpret=args.interpret))
                     continue
-                xla = timed(lambda q, ws: tree_attention_reference(q, *ws), q, ws, args.steps)
-                for tiles in itertools.product(args.block_r, args.block_k, args.programs, args.splits, args.warps,
-                                               args.stages):
-                    options = {name: value for name, value in zip(TILES, tiles, strict=True) if value is not None}
+                xla = timed(lambda q, ws: tree_attention_reference(q, *ws), q, ws, args.steps, args.layers)
+                harness = timed(lambda q, ws: q, q, ws, args.steps, args.layers)  # the loop and the chaining alone
+                variants = [{name: value for name, value in zip(TILES, tiles, strict=True) if value is not None}
+                            for tiles in itertools.product(args.block_r, args.block_k, args.programs, args.splits,
+                                                           args.warps, args.stages)]
+                for options in variants + ([v3_tiles(b, kv, n * h // kv)] if args.v3 else []):
                     kernel = lambda q, ws, o=options: tree_attention(q, *ws, interpret=args.interpret, **o)  # noqa: E731
                     try:
                         error = float(jnp.abs(kernel(q, ws) - ref).max())
-                        row = dict(kernel_ms=timed(kernel, q, ws, args.steps), max_abs_error=error)
+                        row = dict(kernel_ms=timed(kernel, q, ws, args.steps, args.layers), max_abs_error=error)
                     except Exception as e:  # a configuration Triton rejects (e.g. out of shared memory)
                         row = dict(failed=f"{type(e).__name__}: {str(e)[:200]}")
-                    row.update(batch=b, prefix=prefix, nodes=n, **options, xla_ms=xla,
+                    row.update(batch=b, prefix=prefix, nodes=n, cache=s, **options, layers=args.layers, xla_ms=xla,
+                               harness_ms=harness,
                                floor_ms=2 * b * prefix * kv * d * 2 / 3.7e12 * 1e3,
                                flop_floor_ms=4 * b * n * h * prefix * d / 790e12 * 1e3)
                     if "kernel_ms" in row:
