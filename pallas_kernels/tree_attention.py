@@ -4,15 +4,14 @@ the tree's own K/V (slots `[len, len + N)`) under the ancestor mask, with groupe
 Two Pallas Triton kernels, flash-decoding style:
   1. partials, over a grid of (batch, K/V head, query-row block, split). The rows of a block are
      (node, head) pairs of one K/V head, so each K/V load serves all G query heads of the group.
-     Splits `0 .. J-1` take equal shares of that sequence's own prefix (the share follows `len` at
-     run time, so a cache much longer than the prefix costs nothing); split J takes the tree's
+     Splits `0 .. J-1` take equal shares of that sequence's own prefix: the split count and the
+     share follow `len` at run time (`_busy_splits`), so no key past the prefix is read and a short
+     prefix is not cut into splits shorter than their partials are worth; split J takes the tree's
      slots under the ancestor mask, read per row from the `[N, N]` table (int8, not repeated per
      head: a long prefill's mask stays N x N bytes). Each writes an unnormalised partial (o, m, l).
-  2. merge: the J + 1 partials of each row by log-sum-exp, normalised, several partials per load.
-J + 1 is the largest power of two that keeps the first kernel within `PROGRAMS` programs: two per
-multiprocessor of an H100 / H200, which is what fits with 2 pipeline stages (3 stages' K/V buffers
-leave room for one program per multiprocessor: measured 25-40% slower). `tree_attention_reference`
-is the plain masked softmax both must equal.
+  2. merge: the partials of each row by log-sum-exp, normalised, several partials per load.
+The row block and J are chosen from the grid and the cache size (measured on an H200, BENCHMARKS.md).
+`tree_attention_reference` is the plain masked softmax both must equal.
 
 Shapes: q `[B, N, H, D]`, k_cache / v_cache `[B, S, H_kv, D]` (the tree's K/V already written at
 `[len, len + N)`, len + N <= S), lengths `[B]`, ancestors `[B, N, N]` (`Tree.ancestors()`).
@@ -34,7 +33,8 @@ from weaver_jax._model import gqa_attention, visibility_mask
 from weaver_jax.pallas_kernels import MASKED_SCORE
 from weaver_jax.pallas_kernels._call import pallas_call, pow2_at_least
 
-PROGRAMS = 264  # partial-kernel programs to aim for: two per multiprocessor of an H100 / H200 (132)
+PROGRAMS = 264  # prefix programs to aim for: two per multiprocessor of an H100 / H200 (132), what fits with
+# 2 pipeline stages (3 stages' K/V buffers leave room for one: measured 25-40% slower)
 MERGE_ROWS = 16  # rows per merge program (at most)
 MERGE_COLUMNS = 16  # partials per row the merge reads at once (at most)
 MERGE_TILE = 8192  # float32 elements of the merge's [columns, rows, D] tile: 64 registers a thread
@@ -46,6 +46,24 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, ancestors):
     kv = k_cache.shape[2]
     mask = visibility_mask(lengths, ancestors, k_cache.shape[1])
     return gqa_attention(q.reshape(b, n, kv, h // kv, d), k_cache, v_cache, mask).reshape(b, n, h, d)
+
+
+def default_block_r(batch: int, kv_heads: int, rows: int, cache_size: int, programs: int = PROGRAMS) -> int:
+    """Row block for `rows` (node, head) rows per K/V head. Blocks of 128 halve the K/V loads per
+    row and pay where rows are many (>= 512), or where the grid keeps prefix splits to give (blocks
+    of 64 would leave at least 4 programs per (K/V head, row block) pair) over a long cache (16K:
+    15% faster at B = 1, N = 64; 4K: even; 1K: 64 faster); where pairs are already many (B = 8,
+    N = 64) 64 measured faster (BENCHMARKS.md)."""
+    few_pairs = batch * kv_heads * -(-rows // 64) <= programs // 4
+    return 128 if rows >= 512 or (few_pairs and cache_size >= 8192) else 64
+
+
+def _busy_splits(length, splits: int, least: int, min_keys: int):
+    """Prefix splits a sequence of `length` keys uses, of the J = `splits` launched: one per
+    `min_keys` keys (a split also writes and the merge reads its float32 partial of block_r x D:
+    shorter splits spend more time on that than on their keys), at least `least` (which fills the
+    multiprocessors once). Both kernels compute it from `len` at run time."""
+    return jnp.clip(pl.cdiv(length, min_keys), least, splits)
 
 
 def _empty_softmax(rows: int, d: int):
@@ -65,12 +83,14 @@ def _query_rows(block: int, rows: int, group: int, heads: int, nodes: int):
     return node, node * heads + pl.program_id(1) * group + r % group
 
 
-def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, l_ref, *, splits: int, block_k: int,
-                     block_t: int, group: int, scale: float):
+def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, l_ref, *, splits: int, least: int,
+                     min_keys: int, block_k: int, block_t: int, group: int, scale: float):
     """One (batch, K/V head, row block, split): rows of `q_ref [N * H, D]` against the sequence's
     keys `k_ref [S, D]`; `ancestors_ref [N, N]` int8 is the tree's visibility. Scores are kept in
-    base-2 units (`scale` includes log2(e)), so the softmax takes exp2."""
+    base-2 units (`scale` includes log2(e)), so the softmax takes exp2. A prefix split past the
+    sequence's busy ones writes nothing (the merge skips it)."""
     length, split = len_ref[...], pl.program_id(3)
+    busy = _busy_splits(length, splits, least, min_keys)
     n, d = ancestors_ref.shape[0], q_ref.shape[1]
     rows = m_ref.shape[0]
     nodes, q_rows = _query_rows(pl.program_id(2), rows, group, q_ref.shape[0] // n, n)
@@ -99,9 +119,9 @@ def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, 
     carry = _empty_softmax(rows, d)
     # This split's prefix keys [start, start + count): whole blocks unmasked, then one masked tail.
     # Trip counts as int32 products: a `where` of two constants can lower to i1, which scf.for rejects
-    share = block_k * pl.cdiv(pl.cdiv(length, block_k), splits)
+    share = block_k * pl.cdiv(pl.cdiv(length, block_k), busy)
     start = split * share
-    count = (split < splits).astype(jnp.int32) * jnp.clip(length - start, 0, share)
+    count = (split < busy).astype(jnp.int32) * jnp.clip(length - start, 0, share)
     carry = jax.lax.fori_loop(0, count // block_k, lambda i, c: attend(c, start + i * block_k, block_k), carry)
     carry = jax.lax.fori_loop(0, (count % block_k > 0).astype(jnp.int32), lambda i, c: attend(
         c, start + count // block_k * block_k, block_k, length), carry)
@@ -113,27 +133,29 @@ def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, 
     tree_blocks = (split == splits).astype(jnp.int32) * pl.cdiv(n, block_t)
     carry = jax.lax.fori_loop(0, tree_blocks, lambda i, c: attend(
         c, length + i * block_t, block_t, k_ref.shape[0], visible(i)), carry)
-    o_ref[...], m_ref[...], l_ref[...] = carry
+    @pl.when((split < busy) | (split == splits))
+    def _store():
+        o_ref[...], m_ref[...], l_ref[...] = carry
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int, nodes: int, width: int, used: int):
+def _merge_kernel(len_ref, o_ref, m_ref, l_ref, out_ref, *, group: int, nodes: int, width: int, splits: int,
+                  least: int, min_keys: int):
     """One (batch, K/V head, row block): partials `o_ref [C, R_blk, D]`, `m_ref`, `l_ref [C, R_blk]`
     -> the block's rows of `out_ref [N * H, D]`. The columns are loaded `width` at a time as one
     tile, so their loads are in flight together (a loop of one column per step waits for each in
-    turn: 18 us at 4K, N = 64, of a 57 us call); columns past the `used` J + 1 (C rounds up to
-    `width`) were never written and are masked."""
+    turn: 18 us at 4K, N = 64, of a 57 us call); only the busy prefix splits' columns and the tree's
+    (J) were written (C rounds J + 1 up to `width`): the rest are masked, and not read."""
     columns, rows, d = o_ref.shape
+    busy = _busy_splits(len_ref[...], splits, least, min_keys)
 
     def merge(c, carry):
         acc, m, total = carry
         chunk = pl.ds(c * width, width)
-        if used == columns:  # the default: J + 1 a power of two, nothing to mask
-            m_c, l_c, o_c = m_ref[chunk, :], l_ref[chunk, :], o_ref[chunk, :, :]  # [W, R_blk], [W, R_blk, D]
-        else:
-            inside = c * width + jnp.arange(width) < used
-            m_c = plgpu.load(m_ref.at[chunk], mask=inside[:, None], other=MASKED_SCORE)
-            l_c = plgpu.load(l_ref.at[chunk], mask=inside[:, None], other=0)
-            o_c = plgpu.load(o_ref.at[chunk], mask=inside[:, None, None], other=0)
+        column = c * width + jnp.arange(width)
+        inside = (column < busy) | (column == splits)
+        m_c = plgpu.load(m_ref.at[chunk], mask=inside[:, None], other=MASKED_SCORE)  # [W, R_blk]
+        l_c = plgpu.load(l_ref.at[chunk], mask=inside[:, None], other=0)
+        o_c = plgpu.load(o_ref.at[chunk], mask=inside[:, None, None], other=0)  # [W, R_blk, D]
         m_new = jnp.maximum(m, m_c.max(axis=0))
         old, new = jnp.exp2(m - m_new), jnp.exp2(m_c - m_new[None, :])
         return acc * old[:, None] + (o_c * new[:, :, None]).sum(axis=0), m_new, total * old + (l_c * new).sum(axis=0)
@@ -145,14 +167,13 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, group: int, nodes: int, width
 
 @functools.partial(jax.jit, static_argnames=("block_r", "block_k", "splits", "programs", "num_warps", "num_stages",
                                              "interpret", "poison"))
-def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64, block_k: int = 64,
+def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int | None = None, block_k: int = 64,
                    splits: int | None = None, programs: int = PROGRAMS, num_warps: int = 4, num_stages: int = 2,
                    interpret: bool = False, poison: bool = False):
     """Tree attention in two Pallas kernels (see the module docstring).
     block_r: (node, head) rows per program (at most); block_k: prefix keys per inner step (the tree's
-    keys go in steps of min(block_k, N)); splits: prefix splits J (default: J + 1 the largest power
-    of two with at most `programs` programs in the first kernel); num_warps, num_stages: Triton's
-    launch parameters of the partials kernel.
+    keys go in steps of min(block_k, N)); splits: prefix splits J, all used (default: see below and
+    `_busy_splits`); num_warps, num_stages: Triton's launch parameters of the partials kernel.
     poison (tests): outputs start as NaN, so an element no program writes cannot pass."""
     b, n, h, d = q.shape
     s_len, kv = k_cache.shape[1], k_cache.shape[2]
@@ -160,16 +181,24 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     if d < 16 or d & (d - 1):
         raise ValueError(f"head dim {d} must be a power of two >= 16")
     rows = n * g  # node-major (node, head) pairs of one K/V head, padded to the row block
+    block_r = block_r or default_block_r(b, kv, rows, s_len, programs)
     block_r = min(pow2_at_least(block_r, 16), pow2_at_least(rows, 16))
     row_blocks = -(-rows // block_r)
     rows_padded = row_blocks * block_r
     block_k = pow2_at_least(block_k, 16)
     block_t = min(block_k, pow2_at_least(n, 16))
-    if splits is None:  # J + 1 columns: the largest power of two that keeps the grid within `programs`
-        splits = max(2, 1 << (max(1, programs // (b * kv * row_blocks)).bit_length() - 1)) - 1
+    pairs = b * kv * row_blocks
+    # J: at most one wave of prefix programs (a second wave of shorter splits measured slower; the tree's
+    # column beside them is short), and no more than the cache can keep busy; at run time each sequence
+    # uses one per 4 x block_r keys of its length, at least one program per multiprocessor
+    min_keys = 4 * block_r
+    least = splits or max(1, programs // 2 // pairs)  # an explicit J is used whole
+    if splits is None:
+        splits = min(programs // pairs, max(least, s_len // min_keys))
     splits = max(1, min(splits, -(-s_len // block_k)))
+    least = min(least, splits)
     width = min(MERGE_COLUMNS, pow2_at_least(splits + 1))  # columns the merge reads per step
-    columns = -(-(splits + 1) // width) * width  # allocated; the first kernel writes J + 1, the merge masks the rest
+    columns = -(-(splits + 1) // width) * width  # allocated; the merge reads the written ones
     merge_rows = max(2, min(MERGE_ROWS, MERGE_TILE // (width * d), block_r))
 
     q_rows = q.reshape(b, n * h, d)  # the kernels gather their (node, head) rows: no transposed copy of q
@@ -178,10 +207,11 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     partial_specs = [pl.BlockSpec((None, None, None, block_r, d), lambda i, k, j, c: (i, k, c, j, 0)),
                      pl.BlockSpec((None, None, None, block_r), lambda i, k, j, c: (i, k, c, j)),
                      pl.BlockSpec((None, None, None, block_r), lambda i, k, j, c: (i, k, c, j))]
+    lengths = lengths.astype(jnp.int32)
     partials = pallas_call(
-        functools.partial(_partials_kernel, splits=splits, block_k=block_k, block_t=block_t, group=g,
-                          scale=math.log2(math.e) / math.sqrt(d)),
-        [lengths.astype(jnp.int32), q_rows, k_cache, v_cache, tree_mask], grid=(b, kv, row_blocks, splits + 1),
+        functools.partial(_partials_kernel, splits=splits, least=least, min_keys=min_keys, block_k=block_k,
+                          block_t=block_t, group=g, scale=math.log2(math.e) / math.sqrt(d)),
+        [lengths, q_rows, k_cache, v_cache, tree_mask], grid=(b, kv, row_blocks, splits + 1),
         in_specs=[pl.BlockSpec((None,), lambda i, k, j, c: (i,)),
                   pl.BlockSpec((None, n * h, d), lambda i, k, j, c: (i, 0, 0)), cache_spec, cache_spec,
                   pl.BlockSpec((None, n, n), lambda i, k, j, c: (i, 0, 0))],
@@ -194,9 +224,10 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int = 64
     merge_spec = lambda *tail: pl.BlockSpec((None, None, columns, merge_rows, *tail),  # noqa: E731
                                             lambda i, k, j: (i, k, 0, j, *(0 for _ in tail)))
     out = pallas_call(
-        functools.partial(_merge_kernel, group=g, nodes=n, width=width, used=splits + 1), partials,
+        functools.partial(_merge_kernel, group=g, nodes=n, width=width, splits=splits, least=least,
+                          min_keys=min_keys), [lengths, *partials],
         grid=(b, kv, rows_padded // merge_rows),
-        in_specs=[merge_spec(d), merge_spec(), merge_spec()],
+        in_specs=[pl.BlockSpec((None,), lambda i, k, j: (i,)), merge_spec(d), merge_spec(), merge_spec()],
         out_specs=pl.BlockSpec((None, n * h, d), lambda i, k, j: (i, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((b, n * h, d), q.dtype),
         name="tree_attention_merge", num_warps=4, num_stages=3, interpret=interpret, poison=poison)
