@@ -265,9 +265,9 @@ class Transformer(nnx.Module):
             attend = causal_attend(b, t)
         x = jnp.take(self.embed[...], tokens, axis=0)
         d = self.config.head_dim
-        # The kernel's tiles need d = 2^k >= 16; a single token (a decode step) is faster through XLA
-        # (BENCHMARKS.md, "Pallas tree attention": 0.5x at 4K, 0.9x at 16K)
-        kernel = kernels_enabled("tree_attention") and t > 1 and d >= 16 and d & (d - 1) == 0
+        # The kernel's tiles need d = 2^k >= 16. It serves decode steps too: at one token it measured
+        # 1.08-1.20x XLA's attention at the Qwen3-8B shape and 1.23-1.79x at SmolLM2's (BENCHMARKS.md)
+        kernel = kernels_enabled("tree_attention") and d >= 16 and d & (d - 1) == 0
         x, hidden, new_cache = run_blocks(self.layers, x, positions, rope_frequencies(self.config), cache, attend,
                                           hidden_layers, kernel=kernel)
         if logits_rows is not None:
