@@ -93,18 +93,41 @@ case "$variant" in
     timeout 60 python3 bench/verify.py --shape smollm2-135m --contexts 512 --kernels off on --stages verify \
       --nodes 16 64 --json "$OUT/verify_smollm2.json" 2> "$OUT/verify_smollm2.err"
     tail -c 1500 "$OUT"/verify_*.err ;;
-  issue8-next)  # what v3's numbers left open: the kernel at N = 1 (Qwen3-8B and SmolLM2 heads: may decode steps
-    # use it?), prefix splits where (K/V head, row block) pairs are many (N = 256), larger tiles at 16K, block_r 128
-    # in whole verification. About 9 minutes
-    timeout 120 python3 bench/tree_attention.py --nodes 1 --prefix 1024 16384 --json "$OUT/n1_qwen.json"
-    timeout 90 python3 bench/tree_attention.py --heads 9 3 64 --nodes 1 16 --prefix 512 2048 --batch 1 8 \
-      --json "$OUT/n1_smollm2.json"
-    timeout 150 python3 bench/tree_attention.py --nodes 256 --prefix 4096 16384 --batch 1 --block-r 64 128 \
-      --splits 1 2 3 7 --json "$OUT/splits_n256.json"
-    timeout 70 python3 bench/tree_attention.py --nodes 64 --prefix 16384 --batch 1 --block-r 128 --block-k 64 128 \
-      --warps 4 8 --json "$OUT/tiles_16k.json"
-    timeout 120 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels on --stages verify --nodes 64 \
-      --kernel-options '{"tree_attention": {"block_r": 128}}' --json "$OUT/verify_block_r128.json" ;;
+  issue8-tiles)  # what v3's numbers left open, all with --steps 30: the harness (1 call per loop iteration vs 8
+    # chained, as a forward chains its layers), row blocks x programs at B = 1 (N = 64, and N = 256 where v3
+    # regressed), larger tiles at 16K, and the kernel at N = 1 (Qwen3-8B and SmolLM2 heads: may decode use it?)
+    ta="timeout 200 python3 bench/tree_attention.py --steps 30 --batch 1"
+    $ta --nodes 64 --prefix 4096 16384 --layers 1 --json "$OUT/layers1.json" > "$OUT/log.txt"
+    $ta --nodes 64 --prefix 4096 16384 --block-r 64 128 --programs 132 264 528 --json "$OUT/programs_n64.json" >> "$OUT/log.txt"
+    $ta --nodes 256 --prefix 16384 --block-r 128 --programs 264 528 --json "$OUT/programs_n256.json" >> "$OUT/log.txt"
+    $ta --nodes 64 --prefix 16384 --block-r 128 --block-k 64 128 --warps 4 8 --json "$OUT/tiles_16k.json" >> "$OUT/log.txt"
+    $ta --nodes 1 --prefix 4096 16384 --batch 1 8 --json "$OUT/n1_qwen.json" >> "$OUT/log.txt"
+    $ta --heads 9 3 64 --nodes 1 --prefix 512 2048 --batch 1 8 --json "$OUT/n1_smollm2.json" >> "$OUT/log.txt" ;;
+  issue8-rules)  # the row-block and split rules chosen from issue8-tiles, against v3's tiles in the same run:
+    # whole verification (Qwen3-8B 1K / 16K; decode steps now through the kernel too), SmolLM2's decode step,
+    # the tree-attention table, J around the rule
+    timeout 200 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
+      --nodes 64 --json "$OUT/verify_qwen3-8b.json" > "$OUT/log.txt"
+    timeout 60 python3 bench/verify.py --shape smollm2-135m --contexts 512 --kernels off on --stages verify \
+      --nodes 64 --json "$OUT/verify_smollm2.json" >> "$OUT/log.txt"
+    timeout 230 python3 bench/tree_attention.py --steps 30 --v3 --json "$OUT/table.json" >> "$OUT/log.txt"
+    ta="timeout 60 python3 bench/tree_attention.py --steps 30 --batch 1"
+    $ta --nodes 256 --prefix 16384 --splits 3 4 7 --json "$OUT/splits_n256.json" >> "$OUT/log.txt"
+    $ta --nodes 64 --prefix 4096 --splits 7 8 --json "$OUT/splits_4k.json" >> "$OUT/log.txt" ;;
+  issue8-split-cap)  # the rules with splits of at least 4 x block_r keys (after issue8-rules): whole verification
+    # (kernels on; its XLA baseline in issue8-rules), row blocks x splits at 1K, the table against v3's tiles
+    timeout 150 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels on --stages verify \
+      --nodes 64 --json "$OUT/verify_qwen3-8b.json" > "$OUT/log.txt"
+    timeout 90 python3 bench/tree_attention.py --steps 30 --batch 1 --prefix 1024 --nodes 64 256 --block-r 64 128 \
+      --splits 1 2 4 7 --json "$OUT/sweep_1k.json" >> "$OUT/log.txt"
+    timeout 330 python3 bench/tree_attention.py --steps 30 --v3 --json "$OUT/table.json" >> "$OUT/log.txt" ;;
+  issue8-busy-splits)  # prefix splits chosen per sequence at run time (after issue8-split-cap): whole verification
+    # (kernels on), the B = 1 table against v3's tiles, and a 1K prefix in a 16K cache
+    timeout 130 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels on --stages verify \
+      --nodes 64 --json "$OUT/verify_qwen3-8b.json" > "$OUT/log.txt"
+    timeout 170 python3 bench/tree_attention.py --steps 30 --batch 1 --v3 --json "$OUT/table_b1.json" >> "$OUT/log.txt"
+    timeout 40 python3 bench/tree_attention.py --steps 30 --batch 1 --prefix 1024 --nodes 64 --cache 16384 --v3 \
+      --json "$OUT/cache16k.json" >> "$OUT/log.txt" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;
