@@ -133,6 +133,7 @@ def _partials_kernel(len_ref, q_ref, k_ref, v_ref, ancestors_ref, o_ref, m_ref, 
     tree_blocks = (split == splits).astype(jnp.int32) * pl.cdiv(n, block_t)
     carry = jax.lax.fori_loop(0, tree_blocks, lambda i, c: attend(
         c, length + i * block_t, block_t, k_ref.shape[0], visible(i)), carry)
+
     @pl.when((split < busy) | (split == splits))
     def _store():
         o_ref[...], m_ref[...], l_ref[...] = carry
@@ -192,9 +193,11 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, block_r: int | No
     # column beside them is short), and no more than the cache can keep busy; at run time each sequence
     # uses one per 4 x block_r keys of its length, at least one program per multiprocessor
     min_keys = 4 * block_r
-    least = splits or max(1, programs // 2 // pairs)  # an explicit J is used whole
     if splits is None:
+        least = max(1, programs // 2 // pairs)
         splits = min(programs // pairs, max(least, s_len // min_keys))
+    else:
+        least = splits  # an explicit J is used whole
     splits = max(1, min(splits, -(-s_len // block_k)))
     least = min(least, splits)
     width = min(MERGE_COLUMNS, pow2_at_least(splits + 1))  # columns the merge reads per step
