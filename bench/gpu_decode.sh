@@ -128,6 +128,12 @@ case "$variant" in
     timeout 170 python3 bench/tree_attention.py --steps 30 --batch 1 --v3 --json "$OUT/table_b1.json" >> "$OUT/log.txt"
     timeout 40 python3 bench/tree_attention.py --steps 30 --batch 1 --prefix 1024 --nodes 64 --cache 16384 --v3 \
       --json "$OUT/cache16k.json" >> "$OUT/log.txt" ;;
+  issue8-recheck)  # the committed rules where the last calls timed a neighbour (J capped by the cache: 1K rows,
+    # verification at 1K), with the XLA baselines in the same run. About 5 minutes
+    timeout 200 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
+      --nodes 64 --json "$OUT/verify_qwen3-8b.json" > "$OUT/log.txt"
+    timeout 90 python3 bench/tree_attention.py --steps 30 --batch 1 --prefix 1024 4096 --v3 \
+      --json "$OUT/table_b1.json" >> "$OUT/log.txt" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;
