@@ -65,10 +65,11 @@ def weight_matrices(target: wj.Transformer) -> list[jax.Array]:
     return mats
 
 
-def _looped_seconds(body, init, weights, n: int, repeats: int) -> float:
+def _looped_seconds(body, init, weights, n: int, repeats: int, compiler_options: dict | None = None) -> float:
     """Per-iteration time of `body(carry, weights)` inside a fori_loop: (time(n + 1) - time(1)) / n.
     The weights are arguments, not constants captured by the trace."""
-    run = jax.jit(lambda carry, ws, steps: jax.lax.fori_loop(0, steps, lambda _, c: body(c, ws), carry))
+    run = jax.jit(lambda carry, ws, steps: jax.lax.fori_loop(0, steps, lambda _, c: body(c, ws), carry),
+                  compiler_options=compiler_options)
     short = statistics.median(timed(lambda: run(init, weights, 1), repeats))
     long = statistics.median(timed(lambda: run(init, weights, n + 1), repeats))
     return (long - short) / n

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
+from weaver_jax import _model  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
 from weaver_jax._speculative import accept_and_move, build_tree, node_choices  # noqa: E402
@@ -54,6 +56,29 @@ def random_tree(batch: int, n: int, depth: int, vocab: int, seed: int = 0) -> Tr
         dep.append(dep[p] + 1)
     tile = lambda a: jnp.broadcast_to(jnp.asarray(a, jnp.int32), (batch, n))  # noqa: E731
     return Tree(tile(rng.integers(0, vocab, n)), tile(parent), tile(dep), jnp.ones((batch, n), bool))
+
+
+def dus_write(cache_layer, new, lengths):
+    """The target's cache write before it became one scatter (a baseline): a vmapped dynamic_update_slice."""
+    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0, 0)))(cache_layer, new, lengths)
+
+
+CACHE_WRITES = {"scatter": _model._write, "dus": dus_write}
+
+
+def verify_body(graphdef, tree: Tree, vocab: int):
+    """One target forward of `tree` per iteration, `(token, cache)` carried: the tree's K/V are written
+    into the cache in place, as generate's loop writes them. (A cache passed as a loop-invariant
+    operand instead is copied whole before each layer's write: 1.2 ms a forward at 16K for Qwen3-8B.)"""
+    attend = tree.ancestors()
+
+    def body(carry, params):
+        token, cache = carry
+        tokens = (tree.tokens + token[:, None]) % vocab
+        out = nnx.merge(graphdef, params)(tokens, cache.lengths[:, None] + tree.depth, cache, attend)
+        return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), out.cache
+
+    return body
 
 
 def main():
@@ -78,6 +103,11 @@ def main():
     parser.add_argument("--adapter-layers", type=int, default=2)
     parser.add_argument("--adapter-heads", type=int, help="default: rank / 128")
     parser.add_argument("--adapter-mlp", type=int, help="default: 4 x rank")
+    parser.add_argument("--round-compiler-options", type=json.loads, nargs="+", default=[{}],
+                        help="XLA option sets (JSON) to compile the round's stages with, each in turn; the decode "
+                             "step keeps XLA's defaults, e.g. '{}' '{\"xla_gpu_experimental_force_split_k\": 1}'")
+    parser.add_argument("--cache-write", choices=sorted(CACHE_WRITES), nargs="+", default=["scatter"],
+                        help="the target's cache write: the library's (scatter) and/or the earlier one (dus)")
     parser.add_argument("--kernel-options", type=json.loads, default={},
                         help='launch options per Pallas kernel, e.g. \'{"tree_attention": {"block_k": 128}}\'')
     parser.add_argument("--repeats", type=int, default=5)
@@ -102,23 +132,14 @@ def main():
     dgraphdef, dparams = nnx.split(drafter)
     b, depth = args.batch, args.block - 1
     start = jnp.zeros((b,), jnp.int32)
-    loop = lambda body, carry, ws: bench._looped_seconds(body, carry, ws, 16, args.repeats)  # noqa: E731
+
+    def loop(body, carry, ws, compiler_options=None):
+        return bench._looped_seconds(body, carry, ws, 16, args.repeats, compiler_options)
 
     def caches(context):  # room for the longest tree past the prefix
         size = -(-(context + max(args.nodes + args.budgets) + 1) // 128) * 128
         return (wj.KVCache.init(config, b, size).with_lengths(jnp.full((b,), context)),
                 drafter.init_cache(b, size).with_lengths(jnp.full((b,), context)))
-
-    def verify_body(tree: Tree):
-        attend = tree.ancestors()
-
-        def body(carry, ws):
-            t = nnx.merge(graphdef, ws[0])
-            tokens = (tree.tokens + carry[:, None]) % config.vocab_size
-            out = t(tokens, ws[1].lengths[:, None] + tree.depth, ws[1], attend)
-            return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
-
-        return body
 
     def weaver_build(budget):
         def body(c, ws):
@@ -146,50 +167,62 @@ def main():
              "dflash": build_tree("dflash", start, marginals, {}), "ddtree": build_tree("ddtree", start, marginals,
                                                                                        {"budget": 64})}
 
-    for context in args.contexts:
+    for context, write in itertools.product(args.contexts, args.cache_write):
+        _model._write = CACHE_WRITES[write]  # looked up when the target's forward is traced
         cache, dcache = caches(context)
         for kernels in args.kernels:
             with kernel_scope(KERNELS if kernels == "on" else ()):
-                step = loop(verify_body(random_tree(b, 1, 0, config.vocab_size)), start, (params, cache))
-                where = dict(context=context, kernels=kernels, decode_step_ms=step * 1e3)
-                if "verify" in args.stages:
-                    for n in args.nodes:
-                        seconds = loop(verify_body(random_tree(b, n, depth, config.vocab_size)), start, (params, cache))
-                        rows.append(dict(stage="verify", nodes=n, ms=seconds * 1e3, ratio=seconds / step, **where))
+                # plain decoding's step, compiled as ar_generate is (XLA's defaults)
+                step = loop(verify_body(graphdef, random_tree(b, 1, 0, config.vocab_size), config.vocab_size),
+                            (start, cache), params)
+                for compiler_options in args.round_compiler_options:
+                    stage = functools.partial(loop, compiler_options=compiler_options or None)
+
+                    def verify_s(tree, cache=cache, stage=stage):
+                        return stage(verify_body(graphdef, tree, config.vocab_size), (start, cache), params)
+
+                    where = dict(context=context, kernels=kernels, compiler_options=compiler_options,
+                                 cache_write=write, decode_step_ms=step * 1e3)
+                    if "verify" in args.stages:
+                        for n in args.nodes:
+                            seconds = verify_s(random_tree(b, n, depth, config.vocab_size))
+                            rows.append(dict(stage="verify", nodes=n, ms=seconds * 1e3, ratio=seconds / step, **where))
+                            print(json.dumps(rows[-1]), flush=True)
+                    if "round" not in args.stages:
+                        continue
+                    drafter_s = stage(lambda c, ws: jnp.argmax(propose(c, ws)[:, 0], -1).astype(jnp.int32), start,
+                                      (params, dparams, cache, dcache))
+                    for method in args.methods:
+                        tree = trees[method]
+                        if method == "weaver":
+                            build_s = stage(weaver_build(64), start, weaver_ws)
+                        else:
+                            options = {"budget": 64} if method == "ddtree" else {}
+                            build_s = stage(lambda c, ws, m=method, o=options: build_tree(
+                                m, c, ws * (1 + 1e-30 * c[:, None, None]), o).tokens[:, -1], start, marginals)
+                        tree_verify_s = verify_s(tree)
+                        logits = jax.random.normal(jax.random.key(0), (b, tree.size, config.vocab_size), jnp.float32)
+
+                        def accept_commit(carry, ws, tree=tree):  # the Pallas kernels when --kernels on
+                            logits = ws[0] + 1e-30 * carry[0][:, None, None]
+                            acc, moved = accept_and_move(tree, logits, carry[1], ws[1], wj.Sampling(), depth)
+                            return acc.bonus, moved
+
+                        def walk_commit(carry, ws, tree=tree):  # the same without the per-node argmax over logits
+                            choice = ws + (carry[0][:, None] % 2)
+                            acc, moved = accept_and_move(tree, None, carry[1], None, wj.Sampling(), depth,
+                                                         choice=choice)
+                            return acc.bonus, moved
+
+                        accept_s = stage(accept_commit, (start, cache), (logits, wj.sequence_keys(0, b)))
+                        choices = node_choices(logits, wj.sequence_keys(0, b), wj.Sampling())
+                        walk_s = stage(walk_commit, (start, cache), choices)
+                        rows.append(dict(stage="round", method=method, nodes=tree.size, drafter_ms=drafter_s * 1e3,
+                                         tree_ms=build_s * 1e3, verify_ms=tree_verify_s * 1e3,
+                                         accept_commit_ms=accept_s * 1e3, walk_commit_ms=walk_s * 1e3, **where))
                         print(json.dumps(rows[-1]), flush=True)
-                if "round" not in args.stages:
-                    continue
-                drafter_s = loop(lambda c, ws: jnp.argmax(propose(c, ws)[:, 0], -1).astype(jnp.int32), start,
-                                 (params, dparams, cache, dcache))
-                for method in args.methods:
-                    tree = trees[method]
-                    if method == "weaver":
-                        build_s = loop(weaver_build(64), start, weaver_ws)
-                    else:
-                        options = {"budget": 64} if method == "ddtree" else {}
-                        build_s = loop(lambda c, ws, m=method, o=options: build_tree(
-                            m, c, ws * (1 + 1e-30 * c[:, None, None]), o).tokens[:, -1], start, marginals)
-                    verify_s = loop(verify_body(tree), start, (params, cache))
-                    logits = jax.random.normal(jax.random.key(0), (b, tree.size, config.vocab_size), jnp.float32)
 
-                    def accept_commit(carry, ws, tree=tree):  # the Pallas kernels when --kernels on
-                        logits = ws[0] + 1e-30 * carry[0][:, None, None]
-                        acc, moved = accept_and_move(tree, logits, carry[1], ws[1], wj.Sampling(), depth)
-                        return acc.bonus, moved
-
-                    def walk_commit(carry, ws, tree=tree):  # the same without the per-node argmax over logits
-                        choice = ws + (carry[0][:, None] % 2)
-                        acc, moved = accept_and_move(tree, None, carry[1], None, wj.Sampling(), depth, choice=choice)
-                        return acc.bonus, moved
-
-                    accept_s = loop(accept_commit, (start, cache), (logits, wj.sequence_keys(0, b)))
-                    choices = node_choices(logits, wj.sequence_keys(0, b), wj.Sampling())
-                    walk_s = loop(walk_commit, (start, cache), choices)
-                    rows.append(dict(stage="round", method=method, nodes=tree.size, drafter_ms=drafter_s * 1e3,
-                                     tree_ms=build_s * 1e3, verify_ms=verify_s * 1e3,
-                                     accept_commit_ms=accept_s * 1e3, walk_commit_ms=walk_s * 1e3, **where))
-                    print(json.dumps(rows[-1]), flush=True)
-
+    _model._write = CACHE_WRITES["scatter"]
     if "tree" in args.stages:
         head = target.embed[...] if target.lm_head is None else target.lm_head[...].T
         for budget in args.budgets:
