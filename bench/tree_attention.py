@@ -16,6 +16,7 @@ K/V head the products do 4 N G FLOPs per K/V byte, so from N of about 16 the FLO
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import sys
@@ -28,10 +29,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
+from kernel_times import gpu_events  # noqa: E402
 
 from weaver_jax.pallas_kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 
-TILES = ("block_r", "block_k", "programs", "splits", "num_warps", "num_stages")
+TILES = ("block_r", "block_k", "programs", "splits", "num_warps", "num_stages", "partials_dtype")
 
 
 def best_tiles(rows: list[dict]) -> dict:
@@ -64,6 +66,16 @@ def timed(fn, q, ws, steps: int, layers: int) -> list[float]:
     return [bench._looped_seconds(body, q, ws, steps, 5) * 1e3 / layers for _ in range(2)]
 
 
+def launch_us(fn, q, ws, calls: int = 20) -> dict:
+    """GPU time per call of each launch of fn(q, ws) (kernel name -> microseconds), from a trace of `calls` calls."""
+    run = jax.jit(fn)
+    jax.block_until_ready(run(q, ws))
+    totals = collections.defaultdict(float)
+    for name, _op, us in gpu_events(lambda: [run(q, ws) for _ in range(calls)]):
+        totals[name[:60]] += us / calls
+    return dict(totals)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -77,6 +89,7 @@ def main():
     parser.add_argument("--block-r", type=int, nargs="+", default=[None])
     parser.add_argument("--warps", type=int, nargs="+", default=[None])
     parser.add_argument("--stages", type=int, nargs="+", default=[None])
+    parser.add_argument("--partials-dtype", nargs="+", default=[None], help="dtype of the partial outputs (o)")
     parser.add_argument("--v3", action="store_true", help="also time the third version's tiles (see v3_tiles)")
     parser.add_argument("--once", action="store_true",
                         help="run XLA and the kernel once each, untimed (for a profiler such as ncu)")
@@ -85,6 +98,8 @@ def main():
     parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="query heads, K/V heads, head dim")
     parser.add_argument("--steps", type=int, default=100, help="iterations per timed loop")
     parser.add_argument("--layers", type=int, default=8, help="calls chained per loop iteration")
+    parser.add_argument("--profile", action="store_true",
+                        help="also report each launch's GPU time per call (`launch_us`, from a profiler trace)")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--pick", type=Path, help="print the best tiles of a sweep's JSON and exit")
@@ -113,12 +128,14 @@ def main():
                 harness = timed(lambda q, ws: q, q, ws, args.steps, args.layers)  # the loop and the chaining alone
                 variants = [{name: value for name, value in zip(TILES, tiles, strict=True) if value is not None}
                             for tiles in itertools.product(args.block_r, args.block_k, args.programs, args.splits,
-                                                           args.warps, args.stages)]
+                                                           args.warps, args.stages, args.partials_dtype)]
                 for options in variants + ([v3_tiles(b, kv, n * h // kv)] if args.v3 else []):
                     kernel = lambda q, ws, o=options: tree_attention(q, *ws, interpret=args.interpret, **o)  # noqa: E731
                     try:
                         error = float(jnp.abs(kernel(q, ws) - ref).max())
                         row = dict(kernel_ms=timed(kernel, q, ws, args.steps, args.layers), max_abs_error=error)
+                        if args.profile:
+                            row["launch_us"] = launch_us(kernel, q, ws)
                     except Exception as e:  # a configuration Triton rejects (e.g. out of shared memory)
                         row = dict(failed=f"{type(e).__name__}: {str(e)[:200]}")
                     row.update(batch=b, prefix=prefix, nodes=n, cache=s, **options, layers=args.layers, xla_ms=xla,
