@@ -135,3 +135,21 @@ def test_logits_rows_and_hidden_layer_errors():
     np.testing.assert_allclose(rows[0], full[0, [9, 2]], atol=ATOL_F32)
     with pytest.raises(ValueError, match="hidden_layers"):
         target(jnp.asarray(ids), jnp.arange(10)[None], cache, hidden_layers=(cfg.num_layers,))
+
+
+def test_cache_write_places_rows_at_each_length_and_drops_past_the_end():
+    """The K/V write (one scatter) against a plain loop over rows on fresh random inputs: ragged
+    lengths, rows that would run past the cache dropped (never shifted back over earlier slots)."""
+    from weaver_jax._model import _write
+
+    rng = np.random.default_rng()
+    b, s, t = 4, 40, 7
+    cache = rng.standard_normal((b, s, 2, 8)).astype(np.float32)
+    new = rng.standard_normal((b, t, 2, 8)).astype(np.float32)
+    lengths = np.array([0, rng.integers(1, s - t), s - t, s - 3])  # the last one runs 4 rows past the end
+    expected = cache.copy()
+    for row in range(b):
+        for i in range(t):
+            if lengths[row] + i < s:
+                expected[row, lengths[row] + i] = new[row, i]
+    np.testing.assert_array_equal(_write(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(lengths)), expected)

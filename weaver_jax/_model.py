@@ -109,9 +109,13 @@ def causal_attend(batch: int, t: int) -> jax.Array:
 
 
 def _write(cache_layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Write new `[B, T, H, D]` at slots `[lengths, lengths + T)` of each sequence."""
-    return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0, 0)))(
-        cache_layer, new, lengths)
+    """Write new `[B, T, H, D]` at slots `[lengths, lengths + T)` of each sequence; slots past the
+    cache are dropped (never shifted). One scatter of T rows: a vmapped dynamic_update_slice became
+    a dynamic slice, a select and an update per write on a GPU (BENCHMARKS.md)."""
+    b, t = new.shape[:2]
+    slots = lengths[:, None] + jnp.arange(t)
+    return cache_layer.at[jnp.arange(b)[:, None], slots].set(new.astype(cache_layer.dtype), mode="drop",
+                                                             indices_are_sorted=True, unique_indices=True)
 
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
