@@ -134,6 +134,52 @@ case "$variant" in
       --nodes 64 --json "$OUT/verify_qwen3-8b.json" > "$OUT/log.txt"
     timeout 90 python3 bench/tree_attention.py --steps 30 --batch 1 --prefix 1024 4096 --v3 \
       --json "$OUT/table_b1.json" >> "$OUT/log.txt" ;;
+  issue8-profile)  # whole verification with the cache carried (in place, as generate runs it), where its time goes
+    # per kernel beside a decode step's, and float32 vs bfloat16 partial outputs with each launch's GPU time
+    timeout 200 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels off on --stages verify \
+      --nodes 64 --json "$OUT/verify_qwen3-8b.json" > "$OUT/log.txt"
+    timeout 150 python3 bench/kernel_times.py --contexts 1024 16384 --nodes 1 64 --kernels on \
+      --json "$OUT/kernel_times.json" >> "$OUT/log.txt"
+    timeout 170 python3 bench/tree_attention.py --steps 30 --batch 1 8 --prefix 1024 4096 16384 --nodes 64 \
+      --partials-dtype float32 bfloat16 --profile --json "$OUT/tree_attention.json" >> "$OUT/log.txt" ;;
+  issue8-gemm)  # verification vs a decode step (bf16 partials now the default) with XLA's GEMM choices as they are,
+    # with split-K off (its partial sums cost a reduction kernel the autotuner does not time), and with cuBLAS only;
+    # GPU time per kernel at 1K for the first two, each kernel's HLO beside it
+    for flags in "" "--xla_gpu_experimental_force_split_k=1" "--xla_gpu_enable_triton_gemm=false"; do
+      echo "{\"xla_flags\": \"$flags\"}" >> "$OUT/log.txt"
+      XLA_FLAGS="$flags" timeout 110 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels on \
+        --stages verify --nodes 64 >> "$OUT/log.txt"
+    done
+    timeout 80 python3 bench/kernel_times.py --contexts 1024 --nodes 1 64 --steps 10 --json "$OUT/kernel_times.json" \
+      > /dev/null
+    XLA_FLAGS=--xla_gpu_experimental_force_split_k=1 timeout 80 python3 bench/kernel_times.py --contexts 1024 \
+      --nodes 1 64 --steps 10 --json "$OUT/kernel_times_split_k_1.json" > /dev/null ;;
+  issue8-spec-options)  # the round's stages compiled without split-K GEMMs vs XLA's defaults (the decode step keeps the
+    # defaults): whole verification at 1K / 16K (twice), one round's stages at B = 1 / 8 (Qwen3-8B) and at SmolLM2's shape
+    nosplit='{"xla_gpu_experimental_force_split_k": 1}'
+    for run in 1 2; do
+      timeout 130 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels on --stages verify \
+        --nodes 64 --round-compiler-options "$nosplit" '{}' --json "$OUT/verify_run$run.json" >> "$OUT/log.txt"
+    done
+    for b in 1 8; do
+      timeout 110 python3 bench/verify.py --shape qwen3-8b --batch $b --contexts 1024 --kernels on --stages round \
+        --methods weaver --round-compiler-options "$nosplit" '{}' --json "$OUT/round_b$b.json" >> "$OUT/log.txt"
+    done
+    timeout 80 python3 bench/verify.py --shape smollm2-135m --contexts 512 --kernels on --stages verify round \
+      --nodes 16 64 --drafter-layers 2 --drafter-features 3 --adapter-rank 192 --adapter-heads 3 --adapter-mlp 512 \
+      --methods weaver --round-compiler-options "$nosplit" '{}' --json "$OUT/round_smollm2.json" >> "$OUT/log.txt" ;;
+  issue8-bf16-partials)  # the tree-attention table with bfloat16 partial outputs (the default now) and float32 in the
+    # same run, N = 1 / 16 / 64 / 256; then J + 1 = 16 (one merge chunk) against J = 16 at 16K, N = 64
+    timeout 330 python3 bench/tree_attention.py --nodes 1 16 64 256 --steps 30 --partials-dtype bfloat16 float32 \
+      --json "$OUT/table.json" > "$OUT/log.txt"
+    timeout 90 python3 bench/tree_attention.py --prefix 16384 --nodes 64 --batch 1 --splits 15 16 --profile \
+      --json "$OUT/splits.json" >> "$OUT/log.txt" ;;
+  issue8-cache-write)  # the target's cache write as one scatter (the library's now) vs the vmapped
+    # dynamic_update_slice before it, same run: decode step and verification of 64 nodes at 1K / 16K; GPU time per kernel
+    timeout 170 python3 bench/verify.py --shape qwen3-8b --contexts 1024 16384 --kernels on --stages verify --nodes 64 \
+      --cache-write scatter dus --json "$OUT/verify.json" > "$OUT/log.txt"
+    timeout 80 python3 bench/kernel_times.py --contexts 1024 --nodes 1 64 --steps 10 --json "$OUT/kernel_times.json" \
+      > /dev/null ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;
