@@ -114,8 +114,8 @@ def _write(cache_layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Ar
     a dynamic slice, a select and an update per write on a GPU (BENCHMARKS.md)."""
     b, t = new.shape[:2]
     slots = lengths[:, None] + jnp.arange(t)
-    return cache_layer.at[jnp.arange(b)[:, None], slots].set(new.astype(cache_layer.dtype), mode="drop",
-                                                             indices_are_sorted=True, unique_indices=True)
+    return cache_layer.at[jnp.arange(b)[:, None], slots].set(new, mode="drop", indices_are_sorted=True,
+                                                             unique_indices=True)
 
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
