@@ -83,10 +83,32 @@ def test_ancestor_matrix():
     parent = jnp.array([[-1, 0, 0, 1, 3, 2, 0]])
     valid = jnp.array([[True, True, True, True, True, True, False]])
     tree = Tree(jnp.zeros_like(parent), parent, jnp.zeros_like(parent), valid)
-    anc = np.asarray(tree.ancestors())[0]
     expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 3, 4}, 5: {0, 2, 5}, 6: {6}}
-    for i, seen in expected.items():
-        assert set(np.flatnonzero(anc[i])) == seen
+    for anc in (tree.ancestors(), tree.ancestors(max_depth=3)):
+        for i, seen in expected.items():
+            assert set(np.flatnonzero(np.asarray(anc)[0, i])) == seen
+
+
+@pytest.mark.parametrize("nodes,max_depth,padding", [(1, 0, 0), (2, 1, 0), (17, 4, 3), (65, 15, 5), (65, 64, 0)])
+def test_ancestors_by_pointer_doubling_equal_parent_chasing(nodes, max_depth, padding):
+    """On fresh random trees (chains included: max_depth = N - 1), each row is the node and the
+    nodes met by following parents to the root; invalid nodes see only themselves."""
+    from .test_pallas_accept_commit import random_tree
+
+    rng = np.random.default_rng()
+    tree = random_tree(rng, 3, nodes, max_depth, padding, alphabet=4)
+    if max_depth == nodes - 1:  # one chain of full depth
+        tree = tree._replace(parent=jnp.broadcast_to(jnp.arange(-1, nodes - 1), (3, nodes)),
+                             depth=jnp.broadcast_to(jnp.arange(nodes), (3, nodes)))
+    parent, valid = np.asarray(tree.parent), np.asarray(tree.valid)
+    for anc in (tree.ancestors(max_depth), tree.ancestors()):
+        anc = np.asarray(anc)
+        for b, i in np.ndindex(3, nodes):
+            want, j = {i}, i
+            while valid[b, i] and parent[b, j] >= 0:
+                j = parent[b, j]
+                want.add(j)
+            assert set(np.flatnonzero(anc[b, i])) == want, (b, i)
 
 
 @pytest.mark.parametrize("budget", [0, -3])
@@ -118,8 +140,9 @@ def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
        depth=st.integers(1, 7))
 def test_batched_best_first_makes_valid_full_trees(seed, budget, children, depth):
     """Any budget, children per node and default expansions: a valid tree with exactly `budget`
-    nodes past the root whenever that many prefixes exist, in about budget / w scorer calls."""
-    from weaver_jax._tree import batched_best_first, marginal_children
+    nodes past the root whenever that many prefixes exist, in the static `search_calls` scorer calls
+    (about budget / w)."""
+    from weaver_jax._tree import batched_best_first, marginal_children, search_calls
 
     vocab = 40
     logits = jnp.asarray(np.random.default_rng(seed).standard_normal((3, depth, vocab)))
@@ -135,5 +158,53 @@ def test_batched_best_first_makes_valid_full_trees(seed, budget, children, depth
     check_valid_tree(tree, depth)
     possible = sum(children**d for d in range(1, depth + 1))
     assert np.asarray(tree.valid).sum(1).tolist() == [1 + min(budget, possible)] * 3
-    if children >= w:  # the frontier never holds fewer than w entries: one call per w nodes
-        assert int(calls) <= 1 + -(-min(budget, possible) // w)
+    assert int(calls) == 1 + search_calls(budget, children, w, depth)  # the root's call, then a fixed count
+
+
+def test_search_calls_fill_the_tree_whichever_entries_are_taken():
+    """`search_calls` is enough when every call takes the frontier's deepest entries (which publish
+    the fewest children) and when it takes the shallowest: a count of entries per depth."""
+    from weaver_jax._tree import search_calls
+
+    def filled(budget, children, w, depth, deepest):
+        frontier, got = {1: children}, 0
+        for _ in range(search_calls(budget, children, w, depth)):
+            new = {}
+            for _ in range(min(w, sum(frontier.values()), budget - got)):
+                d = (max if deepest else min)(frontier)
+                frontier[d] -= 1
+                frontier = {k: v for k, v in frontier.items() if v}
+                got += 1
+                if d < depth:
+                    new[d + 1] = new.get(d + 1, 0) + children
+            for k, v in new.items():
+                frontier[k] = frontier.get(k, 0) + v
+        return got
+
+    for children, w, depth in itertools.product((1, 2, 3, 8), (1, 3, 8, 16), (1, 2, 3, 15)):
+        possible = sum(children**d for d in range(1, depth + 1))
+        for budget in (1, 5, 16, 64, 130):
+            for deepest in (True, False):
+                assert filled(budget, children, w, depth, deepest) == min(budget, possible), (
+                    budget, children, w, depth, deepest)
+    assert [search_calls(b, 8, -(-b // 16), 15) for b in (16, 64, 256)] == [16, 16, 17]
+
+
+@pytest.mark.parametrize("v,k", [(49152, 512), (151936, 512), (49152, 64), (96, 8), (1000, 7), (64, 60), (37, 5)])
+def test_chunked_top_k_equals_top_k(v, k):
+    """The two-stage selection returns the values of `jax.lax.top_k` and distinct ids holding them, on
+    fresh random rows and on rows full of ties, at shapes with and without chunking; the same ids
+    wherever a value is not tied."""
+    from weaver_jax._tree import chunked_top_k
+
+    x = jax.random.normal(jax.random.key(np.random.default_rng().integers(1 << 30)), (2, 3, v))
+    for rows in (x, jnp.round(x * 2) / 2):  # the second: many equal values
+        want_values, want_ids = jax.lax.top_k(rows, k)
+        values, ids = jax.jit(chunked_top_k, static_argnums=1)(rows, k)
+        np.testing.assert_array_equal(values, want_values)
+        np.testing.assert_array_equal(jnp.take_along_axis(rows, ids, -1), values)
+        assert all(len(set(row)) == k for row in np.asarray(ids).reshape(-1, k).tolist())
+        ordered, top = np.sort(np.asarray(rows), -1).reshape(6, v), np.asarray(values).reshape(6, k)
+        unique = np.stack([np.searchsorted(o, t, "right") - np.searchsorted(o, t, "left") == 1
+                           for o, t in zip(ordered, top, strict=True)])
+        np.testing.assert_array_equal(np.asarray(ids).reshape(6, k)[unique], np.asarray(want_ids).reshape(6, k)[unique])

@@ -7,6 +7,7 @@ builder returns this form, so verification, acceptance and commit never depend o
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -23,18 +24,47 @@ class Tree(NamedTuple):
     def size(self) -> int:
         return self.tokens.shape[1]
 
-    def ancestors(self) -> jax.Array:
+    def ancestors(self, max_depth: int | None = None) -> jax.Array:
         """`[B, N, N]` bool: node i sees node j iff j is i or an ancestor of i (invalid nodes
-        see only themselves). Parents precede children, so one pass in node order suffices."""
+        see only themselves). By pointer doubling: after step k a node's row holds its ancestors at
+        distances below 2^k, so ceil(log2(max_depth + 1)) steps (max_depth: the deepest node, at most
+        N - 1) replace a loop over the nodes, which a GPU runs as one launch sequence per node."""
         b, n = self.tokens.shape
-        eye = jnp.eye(n, dtype=bool)
+        steps = (n - 1 if max_depth is None else min(max_depth, n - 1)).bit_length()
+        sentinel = jnp.full((b, 1), n, jnp.int32)  # row n: no node, its own "parent", sees nothing
+        up = jnp.concatenate([jnp.where((self.parent >= 0) & self.valid, self.parent, n), sentinel], axis=1)
+        seen = jnp.broadcast_to(jnp.eye(n + 1, n, dtype=bool), (b, n + 1, n))
+        for _ in range(steps):
+            seen = seen | jnp.take_along_axis(seen, up[:, :, None], axis=1)
+            up = jnp.take_along_axis(up, up, axis=1)
+        return seen[:, :n]
 
-        def row(i, anc):
-            from_parent = jnp.take_along_axis(anc, jnp.maximum(self.parent[:, i], 0)[:, None, None], axis=1)[:, 0]
-            has_parent = (self.parent[:, i] >= 0) & self.valid[:, i]
-            return anc.at[:, i].set(eye[i][None] | (from_parent & has_parent[:, None]))
 
-        return jax.lax.fori_loop(1, n, row, jnp.broadcast_to(eye, (b, n, n)))
+def round_loop(steps: int, body, carry):
+    """`fori_loop(0, steps, body, carry)` for a fixed-trip loop inside a round: unrolled on a GPU,
+    where XLA runs every iteration of a loop as its own launch sequence after a host-side check of
+    the condition (DESIGN 4); rolled elsewhere, where iterations are cheap and compile time is not."""
+    return jax.lax.fori_loop(0, steps, body, carry, unroll=jax.default_backend() == "gpu")
+
+
+def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` over the last axis of size V, in two smaller selections: the maxima of
+    chunks of about sqrt(V / k) elements, the k chunks with the largest maxima, then the top k of
+    their elements. Exact: fewer than k elements beat the maximum of the chunk holding a top-k
+    element, so that chunk is among the k kept (among equal values the kept ids may differ). The
+    drafter's pool and DDTree's ranks select from the full vocabulary every round; sorting a
+    V-element row costs far more than two rows of ~sqrt(V k). -> (values, ids) `[..., k]`, descending."""
+    v = x.shape[-1]
+    chunk = 1 << max(0, round(math.log2(max(v / max(k, 1), 1)) / 2))
+    while chunk > 1 and v % chunk:  # chunks tile the row exactly: no padding, no ids past V
+        chunk //= 2
+    if chunk < 4 or v // chunk < k:
+        return jax.lax.top_k(x, k)
+    chunks = x.reshape(*x.shape[:-1], v // chunk, chunk)
+    _, best = jax.lax.top_k(jnp.max(chunks, axis=-1), k)  # [..., k] chunk indices
+    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(*x.shape[:-1], k * chunk)
+    values, i = jax.lax.top_k(candidates, k)
+    return values, jnp.take_along_axis(best, i // chunk, axis=-1) * chunk + i % chunk
 
 
 def chain(root: jax.Array, marginal_logits: jax.Array) -> Tree:
@@ -57,7 +87,9 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
     so the popped set is exactly the top `budget`, and prefix-closed."""
     b, k, v = marginal_logits.shape
     ranks = min(budget, v)  # a tree of `budget` nodes never uses a deeper rank
-    logp, ids = jax.lax.top_k(jax.nn.log_softmax(marginal_logits.astype(jnp.float32), -1), ranks)  # [B, K, R]
+    logits = marginal_logits.astype(jnp.float32)
+    logp, ids = chunked_top_k(logits, ranks)  # [B, K, R]
+    logp = logp - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     slots = 2 * budget + 1
     neg = -jnp.inf
 
@@ -102,7 +134,7 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
                  "base": f["base"].at[rows, slot].set(bs)}
         return tree, f, used + 2
 
-    tree, _, _ = jax.lax.fori_loop(0, budget, pop, (tree, frontier, jnp.int32(1)))
+    tree, _, _ = round_loop(budget, pop, (tree, frontier, jnp.int32(1)))
     return tree
 
 
@@ -121,13 +153,34 @@ def marginal_children(marginal_logits: jax.Array, children: int):
     return score
 
 
+def search_calls(budget: int, children: int, expansions: int, max_depth: int) -> int:
+    """Scorer calls after the root's that give `batched_best_first` `budget` nodes (or every prefix
+    the depth limit leaves, if fewer) whatever the scores: the count with the frontier's deepest
+    entries taken first, which publish the fewest children. A static number, so the search is a
+    fixed-trip loop (unrolled on a GPU) instead of a while loop that checks the frontier each call."""
+    frontier = [0] * (max_depth + 1)  # entries per depth
+    if max_depth:
+        frontier[1] = children
+    left, calls = budget, 0
+    while left > 0 and any(frontier):
+        take = min(expansions, left)
+        for depth in range(max_depth, 0, -1):
+            taken = min(take, frontier[depth])
+            frontier[depth] -= taken
+            take, left = take - taken, left - taken
+            if depth < max_depth:
+                frontier[depth + 1] += taken * children
+        calls += 1
+    return calls
+
+
 def batched_best_first(root: jax.Array, score_children, state, *, budget: int, children: int, expansions: int,
                        max_depth: int) -> tuple[Tree, object]:
     """Weaver's tree search (DESIGN 3.4): every expanded node publishes its top-`children` children
     with cumulative log-probabilities into a frontier of `(budget + 1) * children` slots (node i
     owns slots `[i * c, (i + 1) * c)`); each call takes the best `expansions` entries, materialises
-    them as the next nodes and expands them together, so a tree costs about `budget / expansions`
-    scorer calls (more only while the frontier holds fewer than `expansions` entries).
+    them as the next nodes and expands them together, so a tree costs `search_calls(...)` scorer
+    calls (about `budget / expansions`) after the root's.
 
     score_children(state, tree, nodes [B, w]) -> (tokens [B, w, c], logp [B, w, c], state): the
     children of each node in `nodes` and their log-probabilities given the node's path.
@@ -153,11 +206,7 @@ def batched_best_first(root: jax.Array, score_children, state, *, budget: int, c
         tree, node_score, jnp.full((b, n * c), -jnp.inf), jnp.zeros((b, n * c), jnp.int32), state,
         jnp.zeros((b, 1), jnp.int32), jnp.ones((b, 1), bool))
 
-    def more(carry):
-        _, _, frontier, _, _, count = carry
-        return jnp.any((count < n) & jnp.any(jnp.isfinite(frontier), axis=1))
-
-    def call(carry):
+    def call(_, carry):
         tree, node_score, frontier, front_tokens, state, count = carry
         best, slots = jax.lax.top_k(frontier, w)  # [B, w], best first: the finite ones are a prefix
         nodes = count[:, None] + jnp.arange(w)[None, :]
@@ -173,5 +222,5 @@ def batched_best_first(root: jax.Array, score_children, state, *, budget: int, c
         return tree, node_score, frontier, front_tokens, state, count + ok.sum(1)
 
     carry = (tree, node_score, frontier, front_tokens, state, jnp.ones((b,), jnp.int32))
-    out = jax.lax.while_loop(more, call, carry)
+    out = round_loop(search_calls(budget, c, w, max_depth), call, carry)
     return out[0], out[4]
