@@ -42,9 +42,9 @@ def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_l
                             method, options)
     s = _speculative._prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
                               max_new_tokens)
-    tree, verify = _speculative._propose_and_verify(p, s)
+    tree, ancestors, verify = _speculative._propose_and_verify(p, s)
     rows = jnp.arange(tree.tokens.shape[0])
-    greedy = _speculative.walk(tree, lambda cur: jnp.argmax(verify.logits[rows, cur], -1).astype(jnp.int32), p.depth)
+    greedy = _speculative.walk_choices(tree, jnp.argmax(verify.logits, -1).astype(jnp.int32), p.depth, ancestors)
     parent = jnp.maximum(tree.parent, 0)
     probs = jax.nn.softmax(verify.logits, -1)
     own = jnp.where(tree.valid & (tree.parent >= 0), probs[rows[:, None], parent, tree.tokens], 0.0)  # [B, N]

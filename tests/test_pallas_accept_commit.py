@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from weaver_jax import KVCache, Sampling
+from weaver_jax._sampling import select
 from weaver_jax._speculative import accept, accept_and_move, node_choices, walk_choices
 from weaver_jax._tree import Tree
 from weaver_jax.pallas_kernels import kernel_scope
@@ -79,18 +80,47 @@ def test_kernel_matches_reference(case):
             assert start <= stop
 
 
+def stepwise_walk(tree, choose, max_depth):
+    """The acceptance walk one step at a time in Python: choose(b, node) -> the target's token there;
+    move to the lowest-index valid child carrying it, else it is the bonus."""
+    tokens, parent, valid = (np.asarray(x) for x in (tree.tokens, tree.parent, tree.valid))
+    paths, lengths, bonuses = np.zeros((len(tokens), max_depth + 1), int), [], []
+    for b in range(len(tokens)):
+        path = [0]
+        while True:
+            y = choose(b, path[-1])
+            children = np.flatnonzero(valid[b] & (parent[b] == path[-1]) & (tokens[b] == y))
+            if not len(children):
+                break
+            path.append(children[0])
+        paths[b, : len(path)] = path
+        lengths.append(len(path))
+        bonuses.append(y)
+    return paths, np.array(lengths), np.array(bonuses)
+
+
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0), Sampling(0.7, 5, 0.9)])
-def test_node_choices_walk_equals_accept(sampling):
-    """The kernel reads per-node choices; walking them takes the path `accept` draws step by step."""
+def test_walk_equals_a_stepwise_walk(sampling):
+    """The walk without a depth loop (`walk_choices`, `accept`) takes the path a step-by-step walk
+    takes, drawing at each node it visits with that node's key; on fresh random trees whose siblings
+    share tokens and with invalid nodes."""
     rng = np.random.default_rng()
     b, n, depth, vocab = 4, 33, 6, 3
     tree = random_tree(rng, b, n, depth, 3, alphabet=vocab)
     logits = jnp.asarray(rng.standard_normal((b, n, vocab)) * 2, jnp.float32)
     keys = jax.vmap(jax.random.key)(jnp.arange(b))
+    rows = jnp.arange(b)
+
+    def draw(row, node):  # select() for the whole batch at one node, as the walk would call it
+        return int(select(logits[rows, node], keys, node, sampling)[row])
+
+    want = stepwise_walk(tree, draw, depth)
+    assert max(want[1]) > 1  # some walk moves
     choice = node_choices(logits, keys, sampling)
-    want = accept(tree, logits, keys, sampling, depth)
-    for x, y in zip(walk_choices(tree, choice, depth), want, strict=True):
-        np.testing.assert_array_equal(x, y)
+    for got in (accept(tree, logits, keys, sampling, depth), walk_choices(tree, choice, depth),
+                walk_choices(tree, choice, depth, tree.ancestors())):
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("kernels", [(), ("accept_commit",)])

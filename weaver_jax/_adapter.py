@@ -28,7 +28,7 @@ from flax import nnx
 
 from weaver_jax._config import ModelConfig
 from weaver_jax._model import Block, KVCache, SlotVisibility, _param, rms_norm, rope_frequencies, run_blocks
-from weaver_jax._tree import Tree, batched_best_first
+from weaver_jax._tree import Tree, batched_best_first, chunked_top_k
 from weaver_jax.pallas_kernels import kernels_enabled
 
 
@@ -172,23 +172,25 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
         b, w = nodes.shape
         n = tree.size
         rows = jnp.arange(b)[:, None]
-        parent = jnp.take_along_axis(tree.parent, nodes, axis=1)
-        inherited = jnp.where((parent >= 0)[:, :, None], state.ancestors[rows, jnp.maximum(parent, 0)], False)
-        own = inherited | jax.nn.one_hot(nodes, n, dtype=bool)  # [B, w, N]
-        ancestors = state.ancestors.at[rows, nodes].set(own)
-        if slot_kernel:
-            visible = SlotVisibility(visible_slots(own, prefix_len, max_depth=k))
-        else:
-            visible = jnp.concatenate([jnp.ones((b, w, prefix_len), bool), own], axis=2)
-        depth = jnp.take_along_axis(tree.depth, nodes, axis=1)
-        u, cache = adapter.node_states(tables, state.cache, jnp.take_along_axis(tree.tokens, nodes, axis=1), depth,
-                                       prefix_len + nodes[:, 0], visible)
-        d = jnp.clip(depth, 0, k - 1)[:, :, None]
-        ids = jnp.take_along_axis(pool_ids, d, axis=1)  # [B, w, P]
-        residual = jnp.einsum("bwpd,bwd->bwp", jnp.take(tables.candidate, ids, axis=0), u,
-                              preferred_element_type=jnp.float32)
-        logp = jax.nn.log_softmax(jnp.take_along_axis(pool_logits, d, axis=1).astype(jnp.float32) + residual, -1)
-        top, rank = jax.lax.top_k(logp, children)
+        with jax.named_scope("node_step"):  # a profile's sub-stages of the tree (bench/round_profile.py)
+            parent = jnp.take_along_axis(tree.parent, nodes, axis=1)
+            inherited = jnp.where((parent >= 0)[:, :, None], state.ancestors[rows, jnp.maximum(parent, 0)], False)
+            own = inherited | jax.nn.one_hot(nodes, n, dtype=bool)  # [B, w, N]
+            ancestors = state.ancestors.at[rows, nodes].set(own)
+            if slot_kernel:
+                visible = SlotVisibility(visible_slots(own, prefix_len, max_depth=k))
+            else:
+                visible = jnp.concatenate([jnp.ones((b, w, prefix_len), bool), own], axis=2)
+            depth = jnp.take_along_axis(tree.depth, nodes, axis=1)
+            u, cache = adapter.node_states(tables, state.cache, jnp.take_along_axis(tree.tokens, nodes, axis=1),
+                                           depth, prefix_len + nodes[:, 0], visible)
+        with jax.named_scope("children"):
+            d = jnp.clip(depth, 0, k - 1)[:, :, None]
+            ids = jnp.take_along_axis(pool_ids, d, axis=1)  # [B, w, P]
+            residual = jnp.einsum("bwpd,bwd->bwp", jnp.take(tables.candidate, ids, axis=0), u,
+                                  preferred_element_type=jnp.float32)
+            logp = jax.nn.log_softmax(jnp.take_along_axis(pool_logits, d, axis=1).astype(jnp.float32) + residual, -1)
+            top, rank = jax.lax.top_k(logp, children)
         return jnp.take_along_axis(ids, rank, axis=2), top, WeaverState(cache, ancestors)
 
     return score
@@ -205,8 +207,10 @@ def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: j
     """The Weaver proposal tree: batched best-first over the adapter's path-conditioned scores.
     root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]`, marginal_logits `[B, K, V]`."""
     b, k, _ = marginal_logits.shape
-    pool_logits, pool_ids = jax.lax.top_k(marginal_logits.astype(jnp.float32), pool_size)
-    cache = adapter.prefix(root_state, drafter_states, KVCache.init(adapter.config.block_config, b, k + 2 + budget))
+    with jax.named_scope("pool"):
+        pool_logits, pool_ids = chunked_top_k(marginal_logits.astype(jnp.float32), pool_size)
+    with jax.named_scope("prefix"):
+        cache = adapter.prefix(root_state, drafter_states, KVCache.init(adapter.config.block_config, b, k + 2 + budget))
     state = WeaverState(cache, jnp.zeros((b, budget + 1, budget + 1), bool))
     score = adapter_children(adapter, tables, pool_ids, pool_logits, children, k + 1)
     tree, _ = batched_best_first(root, score, state, budget=budget, children=children, expansions=expansions,

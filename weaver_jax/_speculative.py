@@ -86,17 +86,18 @@ class Acceptance(NamedTuple):
     bonus: jax.Array  # [B] the target's token at the last accepted node
 
 
-def accept(tree: Tree, logits: jax.Array, keys: jax.Array, sampling: Sampling, max_depth: int) -> Acceptance:
+def accept(tree: Tree, logits: jax.Array, keys: jax.Array, sampling: Sampling, max_depth: int,
+           ancestors: jax.Array | None = None) -> Acceptance:
     """Walk from the root: draw the target's token y at the current node (keyed by node index);
     move to the valid child carrying y, else y is the bonus. logits `[B, N, V]`, keys `[B]`,
-    max_depth: the deepest node a builder can make (paths hold at most max_depth + 1 nodes)."""
-    rows = jnp.arange(tree.tokens.shape[0])
-    return walk(tree, lambda cur: select(logits[rows, cur], keys, cur, sampling), max_depth)
+    max_depth: the deepest node a builder can make (paths hold at most max_depth + 1 nodes);
+    ancestors: `tree.ancestors()` when already made."""
+    return walk_choices(tree, node_choices(logits, keys, sampling), max_depth, ancestors)
 
 
 def node_choices(logits: jax.Array, keys: jax.Array, sampling: Sampling) -> jax.Array:
-    """The token `accept` would draw at every node, `[B, N]` (same keys: `walk` over these takes the
-    same path), for the acceptance kernel, which reads choices instead of logits."""
+    """The token the target draws at every node, `[B, N]`: its argmax, or a sample of the filtered
+    distribution keyed by node index (what the walk reads, and the acceptance kernel too)."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     nodes = jnp.arange(logits.shape[1])
@@ -104,48 +105,40 @@ def node_choices(logits: jax.Array, keys: jax.Array, sampling: Sampling) -> jax.
         logits, nodes)
 
 
-def walk_choices(tree: Tree, choice: jax.Array, max_depth: int) -> Acceptance:
-    """The walk over per-node target tokens `choice [B, N]` (`node_choices`, or the LM head's)."""
-    rows = jnp.arange(choice.shape[0])
-    return walk(tree, lambda cur: choice[rows, cur], max_depth)
-
-
-def walk(tree: Tree, choose, max_depth: int) -> Acceptance:
-    """The acceptance walk: choose(cur `[B]`) -> the target's token at node cur `[B]`; move to the
-    valid child carrying it (the lowest index if several), else it is the bonus."""
-    b = tree.tokens.shape[0]
-    n = max_depth + 1
-    rows = jnp.arange(b)
-
-    def step(i, carry):
-        cur, alive, path, length, bonus = carry
-        y = choose(cur)
-        match = tree.valid & (tree.parent == cur[:, None]) & (tree.tokens == y[:, None])
-        found = jnp.any(match, axis=1) & alive
-        child = jnp.argmax(match, axis=1).astype(jnp.int32)
-        path = path.at[rows, jnp.where(found, length, n)].set(child, mode="drop")
-        bonus = jnp.where(alive & ~found, y, bonus)
-        return (jnp.where(found, child, cur), found, path, length + found, bonus)
-
-    init = (jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool), jnp.zeros((b, n), jnp.int32),
-            jnp.ones((b,), jnp.int32), jnp.zeros((b,), jnp.int32))
-    _, _, path, length, bonus = jax.lax.fori_loop(0, n, step, init)
-    return Acceptance(path, length, bonus)
+def walk_choices(tree: Tree, choice: jax.Array, max_depth: int, ancestors: jax.Array | None = None) -> Acceptance:
+    """The acceptance walk over per-node target tokens `choice [B, N]`: from the root, move to the
+    valid child carrying the current node's choice (the lowest index if several), else that choice
+    is the bonus. Without a loop over depth: a node is on the path iff it and every ancestor past the
+    root is the child its parent's choice selects. ancestors: `tree.ancestors()` when already made."""
+    n = choice.shape[1]
+    ancestors = tree.ancestors(max_depth) if ancestors is None else ancestors
+    index = jnp.arange(n)
+    hit = tree.valid & (tree.parent >= 0) & (
+        tree.tokens == jnp.take_along_axis(choice, jnp.maximum(tree.parent, 0), axis=1))
+    earlier_sibling = (tree.parent[:, None, :] == tree.parent[:, :, None]) & (index[None, :] < index[:, None])
+    selected = (hit & ~jnp.any(earlier_sibling & hit[:, None, :], axis=2)) | (index == 0)
+    on_path = ~jnp.any(ancestors & ~selected[:, None, :], axis=2)  # [B, N]
+    length = on_path.sum(1, dtype=jnp.int32)
+    at_depth = on_path[:, None, :] & (tree.depth[:, None, :] == jnp.arange(max_depth + 1)[None, :, None])
+    path = jnp.sum(jnp.where(at_depth, index, 0), axis=2, dtype=jnp.int32)  # [B, max_depth + 1]
+    last = jnp.take_along_axis(path, (length - 1)[:, None], axis=1)
+    return Acceptance(path, length, jnp.take_along_axis(choice, last, axis=1)[:, 0])
 
 
 def accept_and_move(tree: Tree, logits: jax.Array | None, cache: KVCache, keys: jax.Array | None,
-                    sampling: Sampling, max_depth: int, choice: jax.Array | None = None) -> tuple[Acceptance, KVCache]:
+                    sampling: Sampling, max_depth: int, choice: jax.Array | None = None,
+                    ancestors: jax.Array | None = None) -> tuple[Acceptance, KVCache]:
     """`accept`, and the accepted nodes' K/V moved to `[len, len + length)` (lengths unchanged: the
     caller advances them by what it emits). With kernels on, one Pallas walk + in-place commit.
     choice `[B, N]`: the per-node target tokens (`node_choices`) when already known; then `logits`
-    and `keys` are unused."""
+    and `keys` are unused. ancestors: `tree.ancestors()` when already made (the XLA walk reads it)."""
+    choice = node_choices(logits, keys, sampling) if choice is None else choice
     if kernels_enabled("accept_commit"):
         from weaver_jax.pallas_kernels import interpret
         from weaver_jax.pallas_kernels.accept_commit import accept_commit
 
-        choice = node_choices(logits, keys, sampling) if choice is None else choice
         return accept_commit(tree, choice, cache, max_depth=max_depth, interpret=interpret())
-    acc = accept(tree, logits, keys, sampling, max_depth) if choice is None else walk_choices(tree, choice, max_depth)
+    acc = walk_choices(tree, choice, max_depth, ancestors)
     return acc, commit_kv(cache, acc.path)
 
 
@@ -257,19 +250,25 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
         histogram=jnp.zeros((b, p.depth + 2), jnp.int32))
 
 
-def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, ForwardOutput]:
-    """Draft, build the tree and run the target over it (its K/V written past the prefix)."""
-    marginals, states = p.drafter.propose(p.target, s.cache, s.root, s.drafter_cache)
-    if p.method == "weaver":
-        k = p.opts["depth"]
-        tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, :k], marginals[:, :k],
-                           budget=p.opts["budget"], children=p.opts["children"], expansions=p.opts["expansions"],
-                           pool_size=p.opts["pool_size"])
-    else:
-        tree = build_tree(p.method, s.root, marginals, p.opts)
-    verify = p.target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, tree.ancestors(),
-                      hidden_layers=p.hidden_ids)
-    return tree, verify
+def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, jax.Array, ForwardOutput]:
+    """Draft, build the tree and run the target over it (its K/V written past the prefix):
+    -> (the tree, its ancestor table `[B, N, N]`, the target's forward)."""
+    # named scopes: the stages a profile of the round reports (bench/round_profile.py)
+    with jax.named_scope("drafter"):
+        marginals, states = p.drafter.propose(p.target, s.cache, s.root, s.drafter_cache)
+    with jax.named_scope("tree"):
+        if p.method == "weaver":
+            k = p.opts["depth"]
+            tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, :k], marginals[:, :k],
+                               budget=p.opts["budget"], children=p.opts["children"],
+                               expansions=p.opts["expansions"], pool_size=p.opts["pool_size"])
+        else:
+            tree = build_tree(p.method, s.root, marginals, p.opts)
+        ancestors = tree.ancestors(p.depth)
+    with jax.named_scope("verify"):
+        verify = p.target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, ancestors,
+                          hidden_layers=p.hidden_ids)
+    return tree, ancestors, verify
 
 
 def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> tuple[SpecState, Tree, Acceptance]:
@@ -277,9 +276,11 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     b = s.root.shape[0]
     rows = jnp.arange(b)
     active = ~s.done
-    tree, verify = _propose_and_verify(p, s)
-    round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
-    acc, moved = accept_and_move(tree, verify.logits, verify.cache, round_keys, sampling, p.depth)
+    tree, ancestors, verify = _propose_and_verify(p, s)
+    with jax.named_scope("accept"):
+        round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
+        acc, moved = accept_and_move(tree, verify.logits, verify.cache, round_keys, sampling, p.depth,
+                                     ancestors=ancestors)
     path = acc.path
 
     new = jnp.take_along_axis(tree.tokens, path, axis=1)  # root first; shift: accepted then bonus
@@ -295,7 +296,8 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     features = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in verify.hidden[: len(p.layer_ids)])
     # The root and the first count - 1 accepted nodes enter the cache; the last emitted token
     # (the bonus, unless EOS or max_new_tokens cut the round short) is the next root.
-    drafter_cache = p.drafter.commit(s.drafter_cache, features, committed_positions, count)
+    with jax.named_scope("drafter_commit"):
+        drafter_cache = p.drafter.commit(s.drafter_cache, features, committed_positions, count)
     cache = moved.with_lengths(moved.lengths + count)
     histogram = s.histogram.at[rows, acc.length].add(active.astype(jnp.int32))
     root = jnp.where(active, new[rows, jnp.maximum(count - 1, 0)], s.root)

@@ -30,6 +30,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from weaver_jax._model import KVCache
+from weaver_jax._tree import chunked_top_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ def adapter_loss(adapter, target, drafter, batch: dict, key: jax.Array, *, ancho
     states, labels, valid = states[:, :, :k], labels[:, :, :k], valid[:, :, :k]
     b, a = anchor_pos.shape
     marginals = target.head(states)  # [B, A, K, V]
-    pool_logits, pool_ids = jax.lax.top_k(marginals, pool_size)  # [B, A, K, P]
+    pool_logits, pool_ids = chunked_top_k(marginals, pool_size)  # [B, A, K, P], as generate's pool
     root_hidden = jnp.take_along_axis(final_hidden, jnp.maximum(anchor_pos - 1, 0)[:, :, None], axis=1)
     root_state = target.final_state(root_hidden)  # [B, A, D]
     tokens = jnp.maximum(batch["tokens"], 0)
