@@ -42,6 +42,8 @@ def test_bad_prompts(bundle, prompts, match):
     (dict(eos_token_id=64), "eos_token_id 64 is outside the vocabulary"),
     (dict(method="medusa"), "unknown method 'medusa'"),
     (dict(seed=[1, 2]), "got 2 seeds for 1 prompts"),
+    (dict(pad_to=2), r"pad_to must be an integer >= the longest prompt \(3 tokens\), got 2"),
+    (dict(pad_to=8.0), "pad_to must be an integer"),
 ])
 def test_bad_options(bundle, options, match):
     options = {"prompts": [[1, 2, 3]], "max_new_tokens": 4, **options}

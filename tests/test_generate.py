@@ -54,6 +54,16 @@ def test_eos_stops_each_sequence_and_max_new_tokens_is_exact():
     assert weaver_jax.generate(bundle, prompts, max_new_tokens=1).tokens == [t[:1] for t in free]
 
 
+def test_pad_to_shares_one_compilation_and_changes_nothing():
+    bundle = weaver_jax.testing.random_bundle(3)
+    prompts = [[5, 6, 7], [9, 1, 2, 3, 4]]
+    want = weaver_jax.generate(bundle, prompts, max_new_tokens=5).tokens
+    padded = weaver_jax.generate(bundle, prompts, max_new_tokens=5, pad_to=40)
+    assert padded.tokens == want
+    other = weaver_jax.generate(bundle, [[1] * 40, [2]], max_new_tokens=5, pad_to=40)
+    assert other.stats["compile_seconds"] < padded.stats["compile_seconds"] / 10  # the compiled function, reused
+
+
 def test_bundle_default_eos_is_used():
     bundle = weaver_jax.testing.random_bundle(3)
     free = weaver_jax.generate(bundle, [[5, 6, 7]], max_new_tokens=6).tokens[0]

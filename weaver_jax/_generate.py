@@ -197,7 +197,7 @@ def _speculative_setup(bundle, method: str, method_options: dict):
 
 
 def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
-             method_options, round_only=False):
+             method_options, round_only=False, pad_to=None):
     """Validation, padding and the jitted function's arguments: -> (fn, static, args)."""
     from weaver_jax._speculative import METHODS, spec_first_round, spec_generate
 
@@ -219,7 +219,12 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     if method != "ar":
         options, nodes = _speculative_setup(bundle, method, method_options)
 
-    padded_len = _round_up(longest, 32)
+    if pad_to is None:
+        padded_len = _round_up(longest, 32)
+    elif isinstance(pad_to, (int, np.integer)) and not isinstance(pad_to, bool) and pad_to >= longest:
+        padded_len = int(pad_to)
+    else:
+        raise ValueError(f"pad_to must be an integer >= the longest prompt ({longest} tokens), got {pad_to!r}")
     batch = np.zeros((len(prompts), padded_len), np.int32)
     for i, p in enumerate(prompts):
         batch[i, : len(p)] = p
@@ -249,7 +254,8 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
 
 def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
-             eos_token_id: int | Sequence[int] | None = None, **method_options) -> GenerateResult:
+             eos_token_id: int | Sequence[int] | None = None, pad_to: int | None = None,
+             **method_options) -> GenerateResult:
     """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
 
     method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
@@ -257,13 +263,15 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     `expansions_per_call` (ceil(budget / 16)), `pool_size` (the adapter's)): the speculative
     methods emit exactly what "ar" would (greedy) or the same distribution (sampling).
     eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
-    uses `fold_in(key(seed), i)`) or one seed per prompt. Returns `.tokens` and `.stats`
+    uses `fold_in(key(seed), i)`) or one seed per prompt. pad_to: the padded prompt length (default:
+    the longest prompt rounded up to 32); calls with the same batch size, pad_to and options share
+    one compilation whatever their prompts' lengths. Returns `.tokens` and `.stats`
     (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`; speculative
     methods add `mean_accepted_length`, `accepted_length_histogram`, and per prompt
     `sequence_verifications` and `sequence_accepted_tokens`).
     """
     fn, static, args = _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed,
-                                eos_token_id, method_options)
+                                eos_token_id, method_options, pad_to=pad_to)
     t0 = time.perf_counter()
     compiled = _compiled(fn, static, *args)
     t1 = time.perf_counter()
