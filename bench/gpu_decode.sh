@@ -180,6 +180,16 @@ case "$variant" in
       --cache-write scatter dus --json "$OUT/verify.json" > "$OUT/log.txt"
     timeout 80 python3 bench/kernel_times.py --contexts 1024 --nodes 1 64 --steps 10 --json "$OUT/kernel_times.json" \
       > /dev/null ;;
+  issue17-profile)  # where a round's time goes per stage, through generate's jitted function (random SmolLM2-shaped
+    # target, shipped drafter and adapter, EOS off): B = 1 every method, B = 8 a few; then the Qwen3-8B round's stages
+    timeout 260 python3 bench/round_profile.py --random-target smollm2-135m --batch 1 --config ar dflash \
+      ddtree:budget=64 weaver:budget=64 weaver:budget=64,expansions_per_call=8 weaver:budget=64,expansions_per_call=16 \
+      weaver:budget=32 --json "$OUT/round_profile_smollm2_b1.json" 2>&1 | grep -v "^\[" | tee "$OUT/log.txt"
+    timeout 120 python3 bench/round_profile.py --random-target smollm2-135m --batch 8 --config ar dflash \
+      weaver:budget=64,expansions_per_call=8 --json "$OUT/round_profile_smollm2_b8.json" 2>&1 | grep -v "^\[" \
+      | tee -a "$OUT/log.txt"
+    timeout 150 python3 bench/verify.py --shape qwen3-8b --contexts 1024 --kernels on --stages round tree --nodes 64 \
+      --budgets 64 --json "$OUT/round_qwen3-8b.json" 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

@@ -1,0 +1,121 @@
+"""Where a round's time goes: GPU time and kernel launches per stage of one `generate` call.
+
+    python bench/round_profile.py --model SmolLM2.gguf --drafter D --adapter A --config ar dflash weaver:budget=64
+    python bench/round_profile.py --random-target smollm2-135m --config ar weaver:budget=64   # no GGUF needed
+
+For each configuration, one `generate` call (batch `--batch`, one prompt repeated, EOS off,
+`--max-new-tokens`) runs under `jax.profiler.trace`, compiled first. Every GPU kernel of the trace is
+attributed to a stage by the named scope of the HLO instruction it runs (`_speculative._round`: drafter,
+tree, verify, accept, drafter_commit; the rest of the loop body is "loop"; outside the loop, "prefill").
+Rows per stage: GPU busy microseconds and kernels per round (a round of "ar" is a decode step), and per
+configuration the wall time per round: wall minus the busy sum is the time the GPU waited on the host.
+`--random-target` replaces the GGUF target by random weights of that shape (speed does not depend on
+weight values with EOS off) beside the shipped SmolLM2 drafter and adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import decode as bench  # noqa: E402
+from e2e import parse_config  # noqa: E402
+from kernel_times import gpu_events  # noqa: E402
+
+import weaver_jax as wj  # noqa: E402
+from weaver_jax import _generate, _load  # noqa: E402
+
+STAGES = ("drafter", "tree", "verify", "accept", "drafter_commit")
+SUBSTAGES = ("pool", "prefix", "node_step", "children")  # inside "tree" (Weaver's); the rest there is the search
+
+
+def op_stages(hlo: str) -> dict[str, str]:
+    """HLO instruction name -> the stage its op_name metadata names (a named scope of the round, with
+    the innermost sub-stage of the tree: "tree/node_step")."""
+    stages = {}
+    for name, op_name in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo, re.M):
+        parts = op_name.split("/")
+        scoped = [p for p in parts if p in STAGES]
+        stage = scoped[0] if scoped else ("loop" if "while" in parts else "prefill")
+        if stage == "tree":
+            sub = [p for p in parts if p in SUBSTAGES]
+            stage += "/" + (sub[-1] if sub else "search")
+        stages[name] = stage
+    return stages
+
+
+def bundle_for(args) -> wj.Bundle:
+    if not args.random_target:
+        return wj.load(args.model, dtype=args.dtype, drafter=args.drafter, adapter=args.adapter)
+    config = bench.SHAPES[args.random_target](args.dtype or "bfloat16")
+    target = bench.random_target(config)
+    shipped = _load.SHIPPED_WEIGHTS / "smollm2-135m-instruct"
+    part = lambda kind: _load._load_part(Path(getattr(args, kind) or shipped / kind), kind, config.dtype, config)  # noqa: E731
+    return wj.Bundle(target, drafter=part("drafter"), adapter=part("adapter"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--random-target", choices=sorted(bench.SHAPES))
+    parser.add_argument("--drafter")
+    parser.add_argument("--adapter")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"])
+    parser.add_argument("--config", nargs="+", default=["ar", "dflash", "ddtree:budget=64", "weaver:budget=64"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-length", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bundle = bundle_for(args)
+    prompt = np.random.default_rng(0).integers(0, bundle.config.vocab_size, args.prompt_length).tolist()
+    rows = []
+    for config in args.config:
+        method, options = parse_config(config)
+
+        def fresh(method=method, options=options):  # the caches are donated: new arguments for every call
+            return _generate._prepare(bundle, [prompt] * args.batch, method, args.max_new_tokens, 0.0, 0, 1.0, 0, [],
+                                      options)
+
+        fn, static, call_args = fresh()
+        compiled = _generate._compiled(fn, static, *call_args)
+        jax.block_until_ready(compiled(*call_args))  # warm-up
+        call_args = fresh()[2]
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(compiled(*call_args))
+        wall = time.perf_counter() - t0
+        rounds = int(out.rounds) - (1 if method == "ar" else 0)  # loop iterations (ar counts its prefill)
+        stages = op_stages(compiled.as_text())
+        busy, kernels = collections.defaultdict(float), collections.Counter()
+        for _, op, us in gpu_events(functools.partial(compiled, *fresh()[2])):
+            stage = stages.get(op, "unattributed")
+            busy[stage] += us
+            kernels[stage] += 1
+        per_round = {s: busy[s] / rounds for s in busy if s != "prefill"}
+        row = dict(config=config, batch=args.batch, rounds=rounds, wall_us_per_round=wall / rounds * 1e6,
+                   busy_us_per_round=sum(per_round.values()),
+                   kernels_per_round=sum(kernels[s] for s in kernels if s != "prefill") / rounds,
+                   stages={s: dict(us=busy[s] / rounds, kernels=kernels[s] / rounds) for s in sorted(busy)},
+                   tokens_per_round=(float(jnp.mean(out.num_tokens)) - 1) / rounds,  # the prefill's token aside
+                   device=jax.devices()[0].device_kind, target="random " + args.random_target if args.random_target
+                   else args.model)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
