@@ -9,7 +9,10 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
     every speculative round when kernels are on.
   adapter_attention: the Weaver adapter's node attention over the prefix and the node's ancestors,
     gathered by slot (`visible_slots`) instead of masking the whole tree. Used by the adapter's
-    node steps when kernels are on.
+    node steps when kernels are on and the search runs in XLA.
+  weaver_search: the Weaver tree search, two kernels per adapter call (select + node step through
+    every adapter block; pool scoring + publishing children) instead of ~50 XLA kernels, for adapters
+    one program can hold (`weaver_search.fits`).
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
 `WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off. By default, where jax's backend is a GPU,
@@ -30,8 +33,9 @@ import jax.numpy as jnp
 
 # A masked attention score: finite, so exp(MASKED_SCORE - m) is 0 without NaNs (shared by the kernels)
 MASKED_SCORE = 0.7 * float(jnp.finfo(jnp.float32).min)
-KERNELS = ("tree_attention", "accept_commit", "adapter_attention")
-MEASURED = KERNELS  # on by default on GPUs: each measured faster than XLA there (BENCHMARKS.md)
+KERNELS = ("tree_attention", "accept_commit", "adapter_attention", "weaver_search")
+MEASURED = ("tree_attention", "accept_commit", "adapter_attention")  # on by default on GPUs: each measured
+# faster than XLA there (BENCHMARKS.md); weaver_search joins once measured
 _forced: bool | None = None
 _scoped: list[tuple[str, ...]] = []
 

@@ -84,42 +84,42 @@ def test_lowers_for_cuda(shape, options):
     lower_for_cuda(tree_attention, *args, **options)
 
 
-@pytest.mark.parametrize("method, options, temperature", [
-    ("ar", {}, 0.0), ("dflash", {}, 0.0), ("ddtree", {"budget": 10}, 0.0), ("weaver", {"budget": 10}, 0.0),
-    ("weaver", {"budget": 10}, 1.0)])
-def test_generation_with_kernels_equals_without(method, options, temperature, monkeypatch):
+@pytest.mark.parametrize("method, options, temperature, search", [
+    ("ar", {}, 0.0, None), ("dflash", {}, 0.0, None), ("ddtree", {"budget": 10}, 0.0, None),
+    ("weaver", {"budget": 10}, 0.0, "kernels"), ("weaver", {"budget": 10}, 1.0, "xla")])
+def test_generation_with_kernels_equals_without(method, options, temperature, search, monkeypatch):
     """The target's forward with the tree-attention kernel (prefill, decode steps, verification),
-    the acceptance + commit kernel and the adapter-attention kernel emit the same tokens as the XLA
-    paths (greedy, and sampled with the same key), and the kernels are really traced in."""
+    the acceptance + commit kernel, and the Weaver search in its kernels (or, search "xla", in XLA
+    with the adapter-attention kernel) emit the same tokens as the XLA paths (greedy, and sampled
+    with the same key), and the kernels are really traced in."""
     import weaver_jax
+    from weaver_jax.pallas_kernels import KERNELS, kernel_scope
     from weaver_jax.pallas_kernels import accept_commit as accept_module
     from weaver_jax.pallas_kernels import adapter_attention as adapter_module
     from weaver_jax.pallas_kernels import tree_attention as module
-    from weaver_jax.pallas_kernels import use_kernels
+    from weaver_jax.pallas_kernels import weaver_search as search_module
     from weaver_jax.testing import random_bundle
 
-    calls, accepts, adapters = [], [], []
-    original, original_accept = module.tree_attention, accept_module.accept_commit
-    original_adapter = adapter_module.adapter_attention
-    monkeypatch.setattr(module, "tree_attention", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
-    monkeypatch.setattr(accept_module, "accept_commit",
-                        lambda *a, **k: accepts.append(1) or original_accept(*a, **k))
-    monkeypatch.setattr(adapter_module, "adapter_attention",
-                        lambda *a, **k: adapters.append(1) or original_adapter(*a, **k))
+    calls, accepts, adapters, searches = [], [], [], []
+    for owner, name, log in ((module, "tree_attention", calls), (accept_module, "accept_commit", accepts),
+                             (adapter_module, "adapter_attention", adapters),
+                             (search_module, "weaver_search", searches)):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, original=original, log=log, **k: log.append(1) or original(*a, **k))
     bundle = random_bundle(5, vocab_size=64, block_size=5)
+    assert search_module.fits(bundle.adapter.config)
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
     outputs = []
     for on in (False, True):
-        use_kernels(on)
-        try:
+        kernels = tuple(k for k in KERNELS if search != "xla" or k != "weaver_search") if on else ()
+        with kernel_scope(kernels):
             outputs.append(weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=10, eos_token_id=[],
                                                temperature=temperature, top_k=20 if temperature else 0, seed=3,
                                                **options).tokens)
-        finally:
-            use_kernels(None)
         assert bool(calls) == on
         assert bool(accepts) == (on and method != "ar")
-        assert bool(adapters) == (on and method == "weaver")
+        assert bool(adapters) == (on and search == "xla")
+        assert bool(searches) == (on and search == "kernels")
     assert outputs[0] == outputs[1]
 
 

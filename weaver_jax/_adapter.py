@@ -198,19 +198,30 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
 
 def random_adapter_config(target: ModelConfig, *, depth: int, d_rank: int = 32, num_layers: int = 2,
                           pool: int | None = None) -> AdapterConfig:
-    return AdapterConfig.like(target, d_rank=d_rank, num_layers=num_layers, num_heads=max(1, d_rank // 16),
+    """A small adapter for `target` (tests, examples): heads of 32, the smallest that the search kernels take."""
+    return AdapterConfig.like(target, d_rank=d_rank, num_layers=num_layers, num_heads=max(1, d_rank // 32),
                               mlp_dim=2 * d_rank, K=depth, candidate_pool_size=pool or 512, dtype=target.dtype)
 
 
 def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: jax.Array, drafter_states: jax.Array,
                 marginal_logits: jax.Array, *, budget: int, children: int, expansions: int, pool_size: int) -> Tree:
     """The Weaver proposal tree: batched best-first over the adapter's path-conditioned scores.
-    root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]`, marginal_logits `[B, K, V]`."""
+    root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]`, marginal_logits `[B, K, V]`. With the
+    "weaver_search" kernels on and an adapter they fit, the search runs in them (two launches per
+    adapter call instead of ~50 XLA kernels); the same tree up to rounding."""
+    from weaver_jax.pallas_kernels import interpret, weaver_search
+
     b, k, _ = marginal_logits.shape
+    fused = kernels_enabled("weaver_search") and weaver_search.fits(adapter.config)
     with jax.named_scope("pool"):
         pool_logits, pool_ids = chunked_top_k(marginal_logits.astype(jnp.float32), pool_size)
     with jax.named_scope("prefix"):
-        cache = adapter.prefix(root_state, drafter_states, KVCache.init(adapter.config.block_config, b, k + 2 + budget))
+        size = weaver_search.cache_size(k + 1, budget, expansions) if fused else k + 2 + budget
+        cache = adapter.prefix(root_state, drafter_states, KVCache.init(adapter.config.block_config, b, size))
+    if fused:
+        return weaver_search.weaver_search(adapter, tables, cache, root, pool_ids, pool_logits, budget=budget,
+                                           children=children, expansions=expansions, max_depth=k,
+                                           interpret=interpret())
     state = WeaverState(cache, jnp.zeros((b, budget + 1, budget + 1), bool))
     score = adapter_children(adapter, tables, pool_ids, pool_logits, children, k + 1)
     tree, _ = batched_best_first(root, score, state, budget=budget, children=children, expansions=expansions,
