@@ -9,14 +9,17 @@ AlpacaEval; `weaver-jax train-prompts`), chat-templated, every one padded to the
 (`generate(pad_to=...)`) so each configuration compiles once. At batch B the prompts go in groups of
 B in a fixed order; EOS on, `--max-new-tokens` each. Every configuration is compiled (and run once)
 first, concurrently; then each is timed in turn: tokens/s = new tokens / seconds summed over its
-`generate` calls (compile excluded), τ pooled over all prompts. A configuration is `method` or
-`method:option=value,...` (generate's method options).
+`generate` calls (compile excluded), τ pooled over all prompts, and (temperature 0) the share of
+prompts whose tokens equal `ar`'s. A configuration is `method` or `method:option=value,...`
+(generate's method options), optionally ending in `@all` / `@xla` (every Pallas kernel / none,
+instead of the library's default selection).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import sys
 import time
@@ -26,15 +29,27 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
+from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
 
 
-def parse_config(text: str) -> tuple[str, dict]:
+def parse_config(text: str) -> tuple[str, dict, tuple[str, ...] | None]:
+    """`method:option=value,...@kernels` -> (method, options, kernels: None for the default selection)."""
+    text, _, kernels = text.partition("@")
     method, _, rest = text.partition(":")
     options = {}
     for item in filter(None, rest.split(",")):
         name, _, value = item.partition("=")
         options[name] = int(value)
-    return method, options
+    selection = {"": None, "all": KERNELS, "xla": ()}
+    if kernels not in selection:
+        raise ValueError(f"unknown kernel selection @{kernels} (use @all or @xla)")
+    return method, options, selection[kernels]
+
+
+def generate(bundle, prompts, config: str, **kwargs):
+    method, options, kernels = parse_config(config)
+    with contextlib.nullcontext() if kernels is None else kernel_scope(kernels):
+        return wj.generate(bundle, prompts, method=method, **options, **kwargs)
 
 
 def held_out_prompts(bundle, path: Path, per_set: int) -> list[list[int]]:
@@ -43,21 +58,21 @@ def held_out_prompts(bundle, path: Path, per_set: int) -> list[list[int]]:
             for items in sets.values() for item in items[:per_set]]
 
 
-def run(bundle, prompts, config: str, batch: int, temperature: float, args) -> dict:
-    method, options = parse_config(config)
+def run(bundle, prompts, config: str, batch: int, temperature: float, args) -> tuple[dict, list]:
     pad = -(-max(len(p) for p in prompts) // 32) * 32
     tokens = seconds = verifications = accepted = 0
+    texts = []
     for first in range(0, len(prompts), batch):
-        group = prompts[first:first + batch]
-        out = wj.generate(bundle, group, method=method, max_new_tokens=args.max_new_tokens, temperature=temperature,
-                          seed=first, pad_to=pad, **options)
+        out = generate(bundle, prompts[first:first + batch], config, max_new_tokens=args.max_new_tokens,
+                       temperature=temperature, seed=first, pad_to=pad)
         tokens, seconds = tokens + out.stats["new_tokens"], seconds + out.stats["seconds"]  # compile excluded
         verifications += sum(out.stats.get("sequence_verifications", [0]))
         accepted += sum(out.stats.get("sequence_accepted_tokens", [0]))
-    return dict(config=config, method=method, options=options, batch=batch, temperature=temperature,
-                tokens_per_second=tokens / seconds, tau=accepted / verifications if verifications else 1.0,
-                new_tokens=tokens, seconds=seconds, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-                device=jax.devices()[0].device_kind)
+        texts += out.tokens
+    row = dict(config=config, batch=batch, temperature=temperature, tokens_per_second=tokens / seconds,
+               tau=accepted / verifications if verifications else 1.0, new_tokens=tokens, seconds=seconds,
+               prompts=len(prompts), max_new_tokens=args.max_new_tokens, device=jax.devices()[0].device_kind)
+    return row, texts
 
 
 def main():
@@ -83,19 +98,21 @@ def main():
     jobs = [(c, b, t) for t in args.temperatures for b in args.batch for c in configs]
 
     def warm(job):  # compile, and run one group, so the timed runs start warm
-        method, options = parse_config(job[0])
-        wj.generate(bundle, prompts[: job[1]], method=method, max_new_tokens=args.max_new_tokens,
-                    temperature=job[2], pad_to=pad, **options)
+        generate(bundle, prompts[: job[1]], job[0], max_new_tokens=args.max_new_tokens, temperature=job[2],
+                 pad_to=pad)
 
     with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
         list(pool.map(warm, jobs))
     print(f"compiled {len(jobs)} configurations in {time.time() - t0:.0f} s", flush=True)
-    rows, base = [], {}
+    rows, base, ar_texts = [], {}, {}
     for config, batch, temperature in jobs:
-        row = run(bundle, prompts, config, batch, temperature, args)
+        row, texts = run(bundle, prompts, config, batch, temperature, args)
         if config == "ar":
-            base[batch, temperature] = row["tokens_per_second"]
+            base[batch, temperature], ar_texts[batch, temperature] = row["tokens_per_second"], texts
         row["vs_ar"] = row["tokens_per_second"] / base[batch, temperature]
+        if temperature == 0:
+            same = [a == b for a, b in zip(texts, ar_texts[batch, temperature], strict=True)]
+            row["same_as_ar"] = sum(same) / len(same)
         rows.append(row)
         print(json.dumps(row), flush=True)
         args.json.write_text(json.dumps(rows, indent=1))

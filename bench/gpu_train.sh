@@ -13,6 +13,9 @@
 #                                                 # method and budget: a call finishes ~7; rerun to continue;
 #                                                 # TAU_BUDGETS="64" to take those budgets first)
 #   bash bench/gpu_train.sh speed 8               # B = 1 tokens/s over 8 prompts: ar, dflash, ddtree, weaver
+#   bash bench/gpu_train.sh e2e "1 8" 0 "ar dflash weaver:budget=64"   # bench/e2e.py: tokens/s vs ar through
+#                                                 # generate, 48 held-out prompts (carry .stage/eval/eval_prompts.json)
+#   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
 #
 # Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`. Chain
 # them in one invocation: the stages' time limits count from the script's start ($SECONDS), so a
@@ -104,6 +107,17 @@ while [ $# -gt 0 ]; do
       python3 bench/tau.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
         --eval-prompts .stage/prompts/eval_prompts.json --speed "$2" --json "$OUT/speed.json"
       shift 2 ;;
+    e2e)  # e2e BATCHES TEMPERATURES CONFIGS
+      need_gguf
+      timeout $((570 - SECONDS)) python3 bench/e2e.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
+        --eval-prompts .stage/eval/eval_prompts.json --batch $2 --temperatures $3 --config $4 \
+        --json "$OUT/e2e_$(echo "$2_$3" | tr ' .' '-p').json" 2>&1 | grep -v "^\[\|^W1\|^I1"
+      shift 4 ;;
+    profile)  # profile BATCH CONFIGS
+      need_gguf
+      timeout $((570 - SECONDS)) python3 bench/round_profile.py --model "$GGUF" --drafter "$DRAFTER" \
+        --adapter "$ADAPTER" --batch "$2" --config $3 --json "$OUT/round_profile_b$2.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
+      shift 3 ;;
     probe)  # training step times at the SmolLM2 shape (random weights), to size the runs
       python3 bench/train_probe.py --steps 12 --drafter-batches 32 --adapter-batches 16 --json "$OUT/train_probe.json" \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -4; shift ;;

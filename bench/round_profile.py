@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import re
@@ -36,14 +37,19 @@ from kernel_times import gpu_events  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
 from weaver_jax import _generate, _load  # noqa: E402
+from weaver_jax.pallas_kernels import kernel_scope  # noqa: E402
 
 STAGES = ("drafter", "tree", "verify", "accept", "drafter_commit")
 SUBSTAGES = ("pool", "prefix", "node_step", "children")  # inside "tree" (Weaver's); the rest there is the search
 
 
+def _key(name: str) -> str:  # a kernel is named after its HLO instruction, "." and "-" written "_"
+    return re.sub(r"[.\-]", "_", name)
+
+
 def op_stages(hlo: str) -> dict[str, str]:
-    """HLO instruction name -> the stage its op_name metadata names (a named scope of the round, with
-    the innermost sub-stage of the tree: "tree/node_step")."""
+    """HLO instruction name (as `_key` writes it) -> the stage its op_name metadata names (a named
+    scope of the round, with the innermost sub-stage of the tree: "tree/node_step")."""
     stages = {}
     for name, op_name in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo, re.M):
         parts = op_name.split("/")
@@ -52,7 +58,7 @@ def op_stages(hlo: str) -> dict[str, str]:
         if stage == "tree":
             sub = [p for p in parts if p in SUBSTAGES]
             stage += "/" + (sub[-1] if sub else "search")
-        stages[name] = stage
+        stages[_key(name)] = stage
     return stages
 
 
@@ -83,14 +89,16 @@ def main():
     prompt = np.random.default_rng(0).integers(0, bundle.config.vocab_size, args.prompt_length).tolist()
     rows = []
     for config in args.config:
-        method, options = parse_config(config)
+        method, options, kernels = parse_config(config)
+        scope = contextlib.nullcontext() if kernels is None else kernel_scope(kernels)
 
         def fresh(method=method, options=options):  # the caches are donated: new arguments for every call
             return _generate._prepare(bundle, [prompt] * args.batch, method, args.max_new_tokens, 0.0, 0, 1.0, 0, [],
                                       options)
 
-        fn, static, call_args = fresh()
-        compiled = _generate._compiled(fn, static, *call_args)
+        with scope:  # the kernel selection is read when the function is traced
+            fn, static, call_args = fresh()
+            compiled = _generate._compiled(fn, static, *call_args)
         jax.block_until_ready(compiled(*call_args))  # warm-up
         call_args = fresh()[2]
         t0 = time.perf_counter()
@@ -99,8 +107,12 @@ def main():
         rounds = int(out.rounds) - (1 if method == "ar" else 0)  # loop iterations (ar counts its prefill)
         stages = op_stages(compiled.as_text())
         busy, kernels = collections.defaultdict(float), collections.Counter()
-        for _, op, us in gpu_events(functools.partial(compiled, *fresh()[2])):
-            stage = stages.get(op, "unattributed")
+        events = gpu_events(functools.partial(compiled, *fresh()[2]))
+        unknown = collections.Counter()
+        for kernel, op, us in events:
+            stage = stages.get(_key(op)) or stages.get(_key(kernel)) or "unattributed"
+            if stage == "unattributed":
+                unknown[kernel, op] += 1
             busy[stage] += us
             kernels[stage] += 1
         per_round = {s: busy[s] / rounds for s in busy if s != "prefill"}
@@ -113,6 +125,8 @@ def main():
                    else args.model)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if unknown:
+            print("unattributed (kernel, HLO op), most frequent:", unknown.most_common(8), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
