@@ -19,6 +19,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import importlib
 import json
 import re
 import sys
@@ -83,8 +84,13 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--kernel-options", type=json.loads, default={},
+                        help='launch options per Pallas kernel, e.g. \'{"weaver_search": {"num_warps": 8}}\'')
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    for name, options in args.kernel_options.items():  # callers look each kernel up in its module when traced
+        module = importlib.import_module(f"weaver_jax.pallas_kernels.{name}")
+        setattr(module, name, functools.partial(getattr(module, name), **options))
     bundle = bundle_for(args)
     prompt = np.random.default_rng(0).integers(0, bundle.config.vocab_size, args.prompt_length).tolist()
     rows = []
@@ -120,6 +126,7 @@ def main():
                    busy_us_per_round=sum(per_round.values()),
                    kernels_per_round=sum(kernels[s] for s in kernels if s != "prefill") / rounds,
                    stages={s: dict(us=busy[s] / rounds, kernels=kernels[s] / rounds) for s in sorted(busy)},
+                   kernel_options=args.kernel_options,
                    tokens_per_round=(float(jnp.mean(out.num_tokens)) - 1) / rounds,  # the prefill's token aside
                    device=jax.devices()[0].device_kind, target="random " + args.random_target if args.random_target
                    else args.model)

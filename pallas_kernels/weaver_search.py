@@ -269,7 +269,8 @@ def cache_size(prefix_len: int, budget: int, expansions: int) -> int:
 
 
 def weaver_search(adapter, tables, cache: KVCache, root, pool_ids, pool_logits, *, budget: int, children: int,
-                  expansions: int, max_depth: int, interpret: bool = False, num_warps: int = 4) -> Tree:
+                  expansions: int, max_depth: int, interpret: bool = False, num_warps: int = 4,
+                  num_stages: int = 1) -> Tree:
     """`_tree.batched_best_first` with the adapter's scorer (`_adapter.adapter_children`), in the
     kernels. adapter, tables: the `Adapter` and its `Tables`; cache: its K/V with the round's prefix
     in slots `[0, K + 1)` and `cache_size(...)` slots (lengths unused); root `[B]`; pool_ids,
@@ -297,7 +298,7 @@ def weaver_search(adapter, tables, cache: KVCache, root, pool_ids, pool_logits, 
     seq = lambda *shape: pl.BlockSpec((None, *shape), lambda i, *_: (i,) + (0,) * len(shape))  # noqa: E731
     whole = pl.BlockSpec()
     state_specs = [seq(), seq(f_p), seq(f_p), seq(4, n_p), seq(n_p), seq(n_p, n_p)] + [whole] * (2 * layers)
-    launch = dict(num_warps=num_warps, num_stages=1, interpret=interpret)
+    launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
     def expand(state, root_call):
         kernel = functools.partial(_expand_kernel, root_call=root_call, w=w, c_p=c_p, n=n, prefix_len=prefix_len,
