@@ -269,19 +269,18 @@ def cache_size(prefix_len: int, budget: int, expansions: int) -> int:
 
 
 def weaver_search(adapter, tables, cache: KVCache, root, pool_ids, pool_logits, *, budget: int, children: int,
-                  expansions: int, max_depth: int, interpret: bool = False, num_warps: int = 4,
+                  expansions: int, max_depth: int, prefix_len: int, interpret: bool = False, num_warps: int = 4,
                   num_stages: int = 1) -> Tree:
     """`_tree.batched_best_first` with the adapter's scorer (`_adapter.adapter_children`), in the
     kernels. adapter, tables: the `Adapter` and its `Tables`; cache: its K/V with the round's prefix
-    in slots `[0, K + 1)` and `cache_size(...)` slots (lengths unused); root `[B]`; pool_ids,
-    pool_logits `[B, K, P]` (the drafter's top-P per depth). -> a `Tree` of `budget + 1` nodes."""
+    in slots `[0, prefix_len)` and `cache_size(...)` slots (lengths unused); root `[B]`; pool_ids,
+    pool_logits `[B, max_depth, P]` (the drafter's top-P per depth). -> a `Tree` of `budget + 1` nodes."""
     config = adapter.config
     b, k, pool = pool_ids.shape
     n, c, w = budget + 1, children, expansions
     c_p, w_p = pow2_at_least(c), pow2_at_least(w, 16)
     n_p = pow2_at_least(n + w_p)
     f_p = pow2_at_least(n * c_p + w_p)
-    prefix_len = k + 1
     slots = cache_size(prefix_len, budget, expansions)
     if cache.size < slots:
         raise ValueError(f"the adapter cache needs {slots} slots, got {cache.size}")

@@ -23,18 +23,18 @@ class OracleDrafter(nnx.Module):
     def commit(self, cache, target_hidden, positions, num_new):
         return KVCache(k=(), v=(), lengths=cache.lengths + num_new.astype(jnp.int32))
 
-    def propose(self, target, target_cache, root, cache):
-        depth, vocab = self.config.block_size - 1, self.config.vocab_size
+    def propose(self, target, target_cache, root, cache, depth=None):
+        positions, vocab = self.config.block_size - 1, self.config.vocab_size
         tokens, token, c = [], root, target_cache
-        for i in range(depth):
+        for i in range(positions):
             out = target(token[:, None], (target_cache.lengths + i)[:, None], c)
             c = out.cache.with_lengths(c.lengths + 1)
             token = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
             tokens.append(token)
         tokens = jnp.stack(tokens, 1)  # [B, K]
         if self.corrupt:
-            where = (target_cache.lengths % (depth + 2))[:, None] == jnp.arange(depth)[None, :]
+            where = (target_cache.lengths % (positions + 2))[:, None] == jnp.arange(positions)[None, :]
             tokens = jnp.where(where, (tokens + 1) % vocab, tokens)
-        noise = jax.random.normal(jax.random.key(0), (depth, vocab))
+        noise = jax.random.normal(jax.random.key(0), (positions, vocab))
         states = jnp.take(target.embed[...], tokens, axis=0)  # stand-in drafter states for the adapter
-        return 8.0 * jax.nn.one_hot(tokens, vocab) + noise[None], states
+        return (8.0 * jax.nn.one_hot(tokens, vocab) + noise[None])[:, :depth], states

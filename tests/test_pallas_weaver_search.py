@@ -62,7 +62,8 @@ def test_which_adapters_take_the_kernels():
     small = KVCache.init(shipped.block_config, 1, 40)
     with pytest.raises(ValueError, match=r"the adapter cache needs \d+ slots, got 40"):
         ws.weaver_search(adapter, None, small, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 15, 512), jnp.int32),
-                         jnp.zeros((1, 15, 512)), budget=64, children=8, expansions=4, max_depth=15)
+                         jnp.zeros((1, 15, 512)), budget=64, children=8, expansions=4, max_depth=15,
+                         prefix_len=16)
 
 
 LIBRARY_SHAPES = [  # batch, budget, expansions, d_rank, heads, mlp, pool, dtype: the shipped SmolLM2 adapter at
@@ -84,7 +85,7 @@ def test_lowers_for_cuda(shape):
     pool_ids, pool_logits = jax.ShapeDtypeStruct((b, 15, pool), jnp.int32), jax.ShapeDtypeStruct((b, 15, pool),
                                                                                                jnp.float32)
     search = jax.jit(lambda p, *args: ws.weaver_search(nnx.merge(graphdef, p), *args, budget=budget, children=8,
-                                                       expansions=w, max_depth=15))
+                                                       expansions=w, max_depth=15, prefix_len=16))
     text = lower_for_cuda(search, params, Tables(table, table), cache, jax.ShapeDtypeStruct((b,), jnp.int32),
                           pool_ids, pool_logits)
     assert "weaver_expand" in text and "weaver_children" in text

@@ -14,7 +14,8 @@ from weaver_jax.testing import random_bundle
 from .drafters import OracleDrafter
 from .test_generate import numpy_filtered_probs
 
-METHODS = [("dflash", {}), ("ddtree", {"budget": 12}), ("weaver", {"budget": 12})]
+# weaver: one node per adapter call, so trees reach the full depth (a tree is at most as deep as its calls)
+METHODS = [("dflash", {}), ("ddtree", {"budget": 12}), ("weaver", {"budget": 12, "expansions_per_call": 1})]
 
 
 def bundles(seed: int, tie: bool):
@@ -40,6 +41,20 @@ def test_greedy_equals_autoregressive(seed, tie, method, options):
                 assert spec.stats["mean_accepted_length"] > 4, spec.stats
             hist = spec.stats["accepted_length_histogram"]
             assert sum(hist) > 0 and hist[0] == 0
+
+
+@pytest.mark.parametrize("method,options", [("dflash", {"depth": 2}), ("weaver", {"budget": 6, "depth": 3})])
+def test_shallow_trees_are_lossless(method, options):
+    """`depth` caps the tree (the drafter projects only that many positions): still plain decoding's
+    tokens, and no round accepts more than depth + 1 tokens even with a perfect drafter."""
+    rb = random_bundle(2, block_size=6)
+    bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=6), adapter=rb.adapter)
+    prompts = [[5, 6, 7], [9, 1, 2, 3, 4]]
+    ar = weaver_jax.generate(bundle, prompts, max_new_tokens=12)
+    spec = weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=12, **options)
+    assert spec.tokens == ar.tokens
+    assert len(spec.stats["accepted_length_histogram"]) == options["depth"] + 2
+    assert spec.stats["accepted_length_histogram"][-1] > 0  # the oracle fills the shallow tree
 
 
 @pytest.mark.parametrize("method,options", METHODS)
@@ -151,8 +166,11 @@ def test_speculative_bad_input():
         weaver_jax.generate(rb, [[1]], method="ddtree", max_new_tokens=2, budget=10**6)
     with pytest.raises(ValueError, match="block_size=16 was requested but the drafter was trained with 6"):
         weaver_jax.generate(rb, [[1]], method="dflash", max_new_tokens=2, block_size=16)
-    with pytest.raises(TypeError, match="takes no options"):
+    with pytest.raises(TypeError, match="takes no options besides block_size and depth"):
         weaver_jax.generate(rb, [[1]], method="dflash", max_new_tokens=2, budget=8)
+    for depth in (0, 6, 2.5):
+        with pytest.raises(ValueError, match=r"depth must be an integer in \[1, 5\]"):
+            weaver_jax.generate(rb, [[1]], method="dflash", max_new_tokens=2, depth=depth)
     with pytest.raises(ValueError, match="needs a drafter"):
         weaver_jax.generate(weaver_jax.Bundle(rb.target), [[1]], method="ddtree", max_new_tokens=2)
     with pytest.raises(ValueError, match="needs an adapter"):

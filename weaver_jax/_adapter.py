@@ -206,24 +206,26 @@ def random_adapter_config(target: ModelConfig, *, depth: int, d_rank: int = 32, 
 def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: jax.Array, drafter_states: jax.Array,
                 marginal_logits: jax.Array, *, budget: int, children: int, expansions: int, pool_size: int) -> Tree:
     """The Weaver proposal tree: batched best-first over the adapter's path-conditioned scores.
-    root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]`, marginal_logits `[B, K, V]`. With the
+    root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]` (the prefix: the adapter's K),
+    marginal_logits `[B, depth, V]` (depth <= K: the tree's deepest level). With the
     "weaver_search" kernels on and an adapter they fit, the search runs in them (two launches per
     adapter call instead of ~50 XLA kernels); the same tree up to rounding."""
     from weaver_jax.pallas_kernels import interpret, weaver_search
 
-    b, k, _ = marginal_logits.shape
+    b, depth, _ = marginal_logits.shape
+    prefix_len = drafter_states.shape[1] + 1
     fused = kernels_enabled("weaver_search") and weaver_search.fits(adapter.config)
     with jax.named_scope("pool"):
         pool_logits, pool_ids = chunked_top_k(marginal_logits.astype(jnp.float32), pool_size)
     with jax.named_scope("prefix"):
-        size = weaver_search.cache_size(k + 1, budget, expansions) if fused else k + 2 + budget
+        size = weaver_search.cache_size(prefix_len, budget, expansions) if fused else prefix_len + 1 + budget
         cache = adapter.prefix(root_state, drafter_states, KVCache.init(adapter.config.block_config, b, size))
     if fused:
         return weaver_search.weaver_search(adapter, tables, cache, root, pool_ids, pool_logits, budget=budget,
-                                           children=children, expansions=expansions, max_depth=k,
-                                           interpret=interpret())
+                                           children=children, expansions=expansions, max_depth=depth,
+                                           prefix_len=prefix_len, interpret=interpret())
     state = WeaverState(cache, jnp.zeros((b, budget + 1, budget + 1), bool))
-    score = adapter_children(adapter, tables, pool_ids, pool_logits, children, k + 1)
+    score = adapter_children(adapter, tables, pool_ids, pool_logits, children, prefix_len)
     tree, _ = batched_best_first(root, score, state, budget=budget, children=children, expansions=expansions,
-                                 max_depth=k)
+                                 max_depth=depth)
     return tree

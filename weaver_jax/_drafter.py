@@ -131,15 +131,18 @@ class Drafter(nnx.Module):
         """Extend the context with committed tokens, from the target states at `target_layer_ids`."""
         return self.extend(cache, self.context_features(target_hidden), positions, num_new)
 
-    def propose(self, target, target_cache: KVCache, root: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array]:
-        """Marginal logits `[B, b - 1, V]` for the positions after `root [B]` (which sits at
-        `cache.lengths`), and the drafter states `[B, b - 1, D_t]` they came from (the Weaver
-        adapter's prefix). `target_cache` is unused here; test drafters that know the answer read it."""
+    def propose(self, target, target_cache: KVCache, root: jax.Array, cache: KVCache,
+                depth: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """Marginal logits `[B, depth, V]` for the first `depth` (default b - 1) positions after
+        `root [B]` (which sits at `cache.lengths`): only those states go through the LM head, the
+        drafter's largest cost on a CPU. Also the drafter states `[B, b - 1, D_t]` of every position
+        (the Weaver adapter's prefix). `target_cache` is unused here; test drafters that know the
+        answer read it."""
         del target_cache
         block = jnp.full((root.shape[0], self.config.block_size), self.config.mask_token_id, jnp.int32)
         block = block.at[:, 0].set(root)
         states = self(jnp.take(target.embed[...], block, axis=0), cache)[:, 1:]
-        return target.head(states), states
+        return target.head(states[:, :depth]), states
 
     def __call__(self, block_embeds: jax.Array, cache: KVCache) -> jax.Array:
         """block_embeds `[B, b, D_t]` (the target's embedding of `[r, MASK...]`), placed at positions

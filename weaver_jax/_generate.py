@@ -192,7 +192,7 @@ def _speculative_setup(bundle, method: str, method_options: dict):
                               max_depth=bundle.adapter.config.K)
     options = tree_options(method, method_options, block_size=dconfig.block_size, vocab_size=dconfig.vocab_size,
                            **adapter_limits)
-    nodes = options["budget"] + 1 if "budget" in options else dconfig.block_size
+    nodes = options["budget"] + 1 if "budget" in options else options["depth"] + 1
     return options, nodes
 
 

@@ -32,21 +32,29 @@ _GREEDY = Sampling()
 MAX_BUDGET = 4096
 
 
+DEFAULT_BUDGET = {"ddtree": 64, "weaver": 24}  # weaver: the measured best at B = 1 on an H200 (BENCHMARKS.md)
+
+
 def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int, pool_size: int = 0,
                  max_depth: int | None = None) -> dict:
     """Validate a method's options against the drafter (its block size and vocabulary) and, for
-    "weaver", the adapter (its pool size and max depth); returns the static options of the round."""
-    depth = block_size - 1 if max_depth is None else min(block_size - 1, max_depth)
+    "weaver", the adapter (its pool size and max depth); returns the static options of the round.
+    Every method takes `depth`: the deepest tree node (default and maximum: block_size - 1, and the
+    adapter's K for "weaver"); the drafter projects only that many positions to the vocabulary."""
+    deepest = block_size - 1 if max_depth is None else min(block_size - 1, max_depth)
     options = dict(options)
     if "block_size" in options:
         requested = options.pop("block_size")
         if requested != block_size:
             raise ValueError(f"block_size={requested} was requested but the drafter was trained with {block_size}")
+    depth = options.pop("depth", deepest)
+    if not isinstance(depth, int) or not 1 <= depth <= deepest:
+        raise ValueError(f"depth must be an integer in [1, {deepest}], got {depth!r}")
     if method == "dflash":
         if options:
-            raise TypeError(f"method 'dflash' takes no options besides block_size, got {sorted(options)}")
-        return {}
-    budget = options.pop("budget", 64)
+            raise TypeError(f"method 'dflash' takes no options besides block_size and depth, got {sorted(options)}")
+        return {"depth": depth}
+    budget = options.pop("budget", DEFAULT_BUDGET[method])
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
     branching = vocab_size
@@ -58,18 +66,19 @@ def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int
         children = options.pop("children_per_node", min(8, pool))
         if not isinstance(children, int) or not 1 <= children <= pool:
             raise ValueError(f"children_per_node must be an integer in [1, pool_size={pool}], got {children!r}")
-        expansions = options.pop("expansions_per_call", -(-budget // 16))
+        # about three adapter calls after the root's: fewer, wider calls measured faster on an H200
+        expansions = options.pop("expansions_per_call", -(-budget // 3))
         if not isinstance(expansions, int) or not 1 <= expansions <= budget:
             raise ValueError(f"expansions_per_call must be an integer in [1, budget={budget}], got {expansions!r}")
         branching = children
-        extra = dict(pool_size=pool, children=children, expansions=expansions, depth=depth)
+        extra = dict(pool_size=pool, children=children, expansions=expansions, prefix=deepest)
     if options:
         raise TypeError(f"method {method!r} got unknown options {sorted(options)}")
     prefixes = sum(min(branching**d, MAX_BUDGET + 1) for d in range(1, depth + 1))
     if budget > min(prefixes, MAX_BUDGET):
         raise ValueError(f"budget={budget} is larger than the frontier allows: at most {min(prefixes, MAX_BUDGET)} "
                          f"distinct prefixes of depth <= {depth} with {branching} children per node (cap {MAX_BUDGET})")
-    return {"budget": budget, **extra}
+    return {"budget": budget, "depth": depth, **extra}
 
 
 def build_tree(method: str, root: jax.Array, marginal_logits: jax.Array, options: dict) -> Tree:
@@ -223,8 +232,8 @@ def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, a
         tables = adapter.tables(target)  # once per call, not per round
     # "weaver" also needs the target's final normed state at the node that produced the root
     hidden_ids = layer_ids + ((target.config.num_layers - 1,) if method == "weaver" else ())
-    return _Parts(target, drafter, adapter, tables, method, dict(options), layer_ids, hidden_ids,
-                  drafter.config.block_size - 1)
+    options = dict(options)
+    return _Parts(target, drafter, adapter, tables, method, options, layer_ids, hidden_ids, options["depth"])
 
 
 def _final_state(p: _Parts, hidden, index):  # [B, T, D] last-layer outputs, index [B] -> [B, D] normed
@@ -255,11 +264,12 @@ def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, jax.Array, Forwa
     -> (the tree, its ancestor table `[B, N, N]`, the target's forward)."""
     # named scopes: the stages a profile of the round reports (bench/round_profile.py)
     with jax.named_scope("drafter"):
-        marginals, states = p.drafter.propose(p.target, s.cache, s.root, s.drafter_cache)
+        marginals, states = p.drafter.propose(p.target, s.cache, s.root, s.drafter_cache, depth=p.depth)
+        if marginals.shape[1] != p.depth:  # a tree deeper than the round expects would be walked wrongly
+            raise ValueError(f"the drafter proposed {marginals.shape[1]} positions, the round asked for {p.depth}")
     with jax.named_scope("tree"):
-        if p.method == "weaver":
-            k = p.opts["depth"]
-            tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, :k], marginals[:, :k],
+        if p.method == "weaver":  # the adapter's prefix: the drafter states of all the depths it was made for
+            tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, : p.opts["prefix"]], marginals,
                                budget=p.opts["budget"], children=p.opts["children"],
                                expansions=p.opts["expansions"], pool_size=p.opts["pool_size"])
         else:
