@@ -27,7 +27,10 @@ from pathlib import Path
 
 import jax
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tau import bundle_arguments, encode_sets, load_bundle  # noqa: E402
+
 import weaver_jax as wj  # noqa: E402
 from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
 
@@ -52,12 +55,6 @@ def generate(bundle, prompts, config: str, **kwargs):
         return wj.generate(bundle, prompts, method=method, **options, **kwargs)
 
 
-def held_out_prompts(bundle, path: Path, per_set: int) -> list[list[int]]:
-    sets = json.loads(path.read_text())
-    return [bundle.tokenizer.apply_chat_template([{"role": "user", "content": item["text"]}])
-            for items in sets.values() for item in items[:per_set]]
-
-
 def run(bundle, prompts, config: str, batch: int, temperature: float, args) -> tuple[dict, list]:
     pad = -(-max(len(p) for p in prompts) // 32) * 32
     tokens = seconds = verifications = accepted = 0
@@ -77,11 +74,7 @@ def run(bundle, prompts, config: str, batch: int, temperature: float, args) -> t
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--drafter")
-    parser.add_argument("--adapter")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"])
-    parser.add_argument("--eval-prompts", type=Path, default=Path(".stage/prompts/eval_prompts.json"))
+    bundle_arguments(parser)
     parser.add_argument("--per-set", type=int, default=16)
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
@@ -91,8 +84,8 @@ def main():
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     t0 = time.time()
-    bundle = wj.load(args.model, dtype=args.dtype, drafter=args.drafter, adapter=args.adapter)
-    prompts = held_out_prompts(bundle, args.eval_prompts, args.per_set)
+    bundle = load_bundle(args)
+    prompts = encode_sets(bundle, args.eval_prompts, args.per_set)[1]
     pad = -(-max(len(p) for p in prompts) // 32) * 32
     configs = list(dict.fromkeys(["ar", *args.config]))  # ar first: the baseline
     jobs = [(c, b, t) for t in args.temperatures for b in args.batch for c in configs]

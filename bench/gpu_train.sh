@@ -12,7 +12,6 @@
 #   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures (~70 s per
 #                                                 # method and budget: a call finishes ~7; rerun to continue;
 #                                                 # TAU_BUDGETS="64" to take those budgets first)
-#   bash bench/gpu_train.sh speed 8               # B = 1 tokens/s over 8 prompts: ar, dflash, ddtree, weaver
 #   bash bench/gpu_train.sh e2e "1 8" 0 "ar dflash weaver:budget=64"   # bench/e2e.py: tokens/s vs ar through
 #                                                 # generate, 48 held-out prompts (carry .stage/eval/eval_prompts.json)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
@@ -36,7 +35,7 @@ export PYTHONPATH=/tmp/site:$PWD
 for sub in convert pallas_kernels; do [ -e weaver_jax/$sub ] || ln -s ../$sub weaver_jax/$sub; done
 export JAX_COMPILATION_CACHE_DIR=$STAGE/jax_cache  # a resumed stage in a later call skips recompiling
 W="python3 -m weaver_jax.cli"
-# tau and speed use this session's exports when they exist, else the shipped drafter and adapter
+# tau, e2e and profile use this session's exports when they exist, else the shipped drafter and adapter
 SHIPPED=weaver_jax/weights/smollm2-135m-instruct
 DRAFTER=$STAGE/export/drafter; [ -d "$DRAFTER" ] || DRAFTER=$SHIPPED/drafter
 ADAPTER=$STAGE/export/adapter; [ -d "$ADAPTER" ] || ADAPTER=$SHIPPED/adapter
@@ -101,11 +100,6 @@ while [ $# -gt 0 ]; do
         --budgets ${TAU_BUDGETS:-16 32 64 128} \
         --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -8
       cp "$STAGE/tau.json" "$OUT/tau.json"  # carry it back as .stage/tau.json to resume on a fresh machine
-      shift 2 ;;
-    speed)
-      need_gguf
-      python3 bench/tau.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
-        --eval-prompts .stage/prompts/eval_prompts.json --speed "$2" --json "$OUT/speed.json"
       shift 2 ;;
     e2e)  # e2e BATCHES TEMPERATURES CONFIGS
       need_gguf

@@ -1,7 +1,6 @@
-"""τ (tokens per target verification, bonus included) on held-out prompt sets, and speed.
+"""τ (tokens per target verification, bonus included) on held-out prompt sets (speed: bench/e2e.py).
 
     python bench/tau.py --model SmolLM2.gguf --eval-prompts eval_prompts.json --json tau.json
-    python bench/tau.py --speed 8 --json speed.json        # B = 1 tokens/s: ar, dflash, ddtree-64, weaver-64
 
 The bundle is `weaver_jax.load(--model)` (for the named model: the shipped drafter and adapter;
 `--drafter` / `--adapter` override). Every prompt of every set (`weaver-jax train-prompts`'s
@@ -69,57 +68,37 @@ def run_tau(bundle, names, prompts, args, out_path: Path):
     return rows
 
 
-def run_speed(bundle, prompts, args):
-    """Batch 1, temperature 0, one prompt at a time (--speed prompts spread over the most common
-    padded prompt length, so each method compiles once), each config compiled first; tokens/s over
-    all of them, ratios to "ar" measured in the same run."""
-    buckets = np.array([-(-len(p) // 32) for p in prompts])  # generate pads prompts to multiples of 32
-    same = np.flatnonzero(buckets == np.bincount(buckets).argmax())  # one shape: one compile per method
-    prompts = [prompts[i] for i in same[np.linspace(0, len(same) - 1, args.speed).round().astype(int)]]
-    rows = []
-    for method, budget in [("ar", None), ("dflash", None), ("ddtree", 64), ("weaver", 64)]:
-        options = {} if budget is None else {"budget": budget}
-        tokens = seconds = rounds = 0
-        taus = []
-        for p in prompts:
-            r = wj.generate(bundle, [p], method=method, max_new_tokens=args.max_new_tokens, eos_token_id=[],
-                            **options)  # EOS off: every prompt runs max_new_tokens
-            tokens, seconds = tokens + r.stats["new_tokens"], seconds + r.stats["seconds"]
-            rounds += r.stats["rounds"]
-            taus.append(r.stats.get("mean_accepted_length", 1.0))
-        rows.append(dict(method=method, budget=budget, tokens_per_second=tokens / seconds, tau=float(np.mean(taus)),
-                         ms_per_round=seconds / rounds * 1e3, prompts=args.speed, device=jax.devices()[0].device_kind))
-    for r in rows:
-        r["speedup_vs_ar"] = r["tokens_per_second"] / rows[0]["tokens_per_second"]
-        print(json.dumps(r), flush=True)
-    return rows
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bundle_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, drafter, adapter and held-out prompts of a run (shared with bench/e2e.py)."""
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--drafter")
     parser.add_argument("--adapter")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
     parser.add_argument("--eval-prompts", type=Path, default=Path(".stage/prompts/eval_prompts.json"))
+
+
+def load_bundle(args) -> wj.Bundle:
+    bundle = wj.load(args.model, dtype=args.dtype, drafter=args.drafter, adapter=args.adapter)
+    if bundle.drafter is None or bundle.adapter is None:
+        raise SystemExit(f"{args.model}: no drafter/adapter (pass --drafter and --adapter)")
+    return bundle
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bundle_arguments(parser)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--limit", type=int, default=0, help="first N prompts of each set (smoke tests)")
     parser.add_argument("--workers", type=int, default=4, help="configurations compiled at once")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--speed", type=int, default=0, help="instead of tau: B = 1 tokens/s over N prompts")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     t0 = time.time()
-    bundle = wj.load(args.model, dtype=args.dtype, drafter=args.drafter, adapter=args.adapter)
-    if bundle.drafter is None or bundle.adapter is None:
-        raise SystemExit(f"{args.model}: no drafter/adapter (pass --drafter and --adapter)")
+    bundle = load_bundle(args)
     names, prompts = encode_sets(bundle, args.eval_prompts, args.limit)
-    if args.speed:
-        args.json.write_text(json.dumps(run_speed(bundle, prompts, args), indent=1))
-    else:
-        run_tau(bundle, names, prompts, args, args.json)
+    run_tau(bundle, names, prompts, args, args.json)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -23,8 +23,8 @@ from .cuda import lower_for_cuda
 from .test_tree import check_valid_tree
 
 CASES = [  # seed, batch, depth, budget, children, expansions, d_rank, heads, mlp, pool
-    (0, 2, 5, 40, 4, 3, 64, 2, 96, 64),  # MLP columns past the last whole block
-    (1, 1, 3, 12, 8, 1, 96, 3, 64, 128),  # width not a power of two, one node per call
+    (0, 2, 5, 24, 4, 3, 64, 2, 96, 64),  # MLP columns past the last whole block
+    (1, 1, 3, 7, 8, 1, 96, 3, 64, 128),  # width not a power of two, one node per call
     (2, 3, 7, 64, 3, 16, 32, 1, 64, 32),  # more nodes per call than children per node, odd children
 ]
 

@@ -30,8 +30,6 @@ from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
 METHODS = ("dflash", "ddtree", "weaver")
 _GREEDY = Sampling()
 MAX_BUDGET = 4096
-
-
 DEFAULT_BUDGET = {"ddtree": 64, "weaver": 24}  # weaver: the measured best at B = 1 on an H200 (BENCHMARKS.md)
 
 
