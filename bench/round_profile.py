@@ -44,22 +44,44 @@ STAGES = ("drafter", "tree", "verify", "accept", "drafter_commit")
 SUBSTAGES = ("pool", "prefix", "node_step", "children")  # inside "tree" (Weaver's); the rest there is the search
 
 
-def _key(name: str) -> str:  # a kernel is named after its HLO instruction, "." and "-" written "_"
-    return re.sub(r"[.\-]", "_", name)
+def _key(name: str) -> str:
+    """A kernel's name as its HLO instruction's: XLA writes "." and "-" as "_"; a Pallas kernel is
+    named after its `pallas_call` (`weaver_expand`), with a "__N" suffix per copy."""
+    return re.sub(r"__\d+$", "", re.sub(r"[.\-]", "_", name))
+
+
+def _stage(op_name: str) -> str:
+    parts = op_name.split("/")
+    scoped = [p for p in parts if p in STAGES]
+    stage = scoped[0] if scoped else ("loop" if "while" in parts else "prefill")
+    if stage == "tree":
+        sub = [p for p in parts if p in SUBSTAGES]
+        stage += "/" + (sub[-1] if sub else "search")
+    return stage
 
 
 def op_stages(hlo: str) -> dict[str, str]:
-    """HLO instruction name (as `_key` writes it) -> the stage its op_name metadata names (a named
-    scope of the round, with the innermost sub-stage of the tree: "tree/node_step")."""
+    """Kernel name (`_key`) -> the stage its HLO instruction's op_name metadata names (a named scope
+    of the round, with the innermost sub-stage of the tree: "tree/node_step"). Inside the loop's
+    command buffers (CUDA graphs) the profiler names kernels, not instructions: fusions by their
+    instruction, Pallas kernels by the name in their custom call's config; an instruction without
+    metadata counts for the loop or the prefill by the computation it sits in."""
     stages = {}
-    for name, op_name in re.findall(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo, re.M):
-        parts = op_name.split("/")
-        scoped = [p for p in parts if p in STAGES]
-        stage = scoped[0] if scoped else ("loop" if "while" in parts else "prefill")
-        if stage == "tree":
-            sub = [p for p in parts if p in SUBSTAGES]
-            stage += "/" + (sub[-1] if sub else "search")
-        stages[_key(name)] = stage
+    computation = ""
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            computation = header.group(1)
+            continue
+        instruction = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+        if not instruction:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        stage = _stage(op_name.group(1)) if op_name else ("loop" if "body" in computation else "prefill")
+        stages[_key(instruction.group(1))] = stage
+        pallas = re.search(r'\\?"name\\?":\s*\\?"([\w.\-]+)\\?"', line) if "triton" in line else None
+        if pallas and op_name:
+            stages.setdefault(_key(pallas.group(1)), stage)
     return stages
 
 
