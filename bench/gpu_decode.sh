@@ -193,12 +193,13 @@ case "$variant" in
   issue17-search-kernels)  # the Weaver search kernels' launch options against XLA's search, the default settings
     # (budget 24, 8 nodes per call), random SmolLM2-shaped target: no GGUF staging needed. Each run compiles and
     # profiles; ~2 min each (a 100 s limit cut one off before it printed)
-    xla="weaver:budget=24,expansions_per_call=8"
+    base="weaver:budget=24,expansions_per_call=8"
+    configs="$base $base@all"  # the XLA search once, then the kernels under each option set
     for o in '{}' '{"weaver_search": {"num_warps": 8}}' '{"weaver_search": {"num_warps": 8, "num_stages": 3}}'; do
-      timeout 170 python3 bench/round_profile.py --random-target smollm2-135m --batch 1 --config $xla "$xla@all" \
+      timeout 170 python3 bench/round_profile.py --random-target smollm2-135m --batch 1 --config $configs \
         --kernel-options "$o" --json "$OUT/search_kernels_$(echo "$o" | tr -dc 'a-z0-9').json" 2>&1 | grep '^{' \
         | tee -a "$OUT/log.txt"
-      xla=""  # the XLA search once
+      configs="$base@all"
     done ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
