@@ -1,4 +1,5 @@
-"""What the kernels share: `pallas_call` with the tests' poisoning, and power-of-two block sizes."""
+"""What the kernels share: `pallas_call` with the tests' poisoning, power-of-two block sizes, and
+picking one element of a loaded vector."""
 
 from __future__ import annotations
 
@@ -34,3 +35,9 @@ def pallas_call(kernel, args, *, grid, in_specs, out_specs, out_shape, name: str
 def pow2_at_least(n: int, low: int = 1) -> int:
     """The smallest power of two >= max(n, low) (Triton's block dimensions are powers of two)."""
     return max(low, 1 << (max(n, 1) - 1).bit_length())
+
+
+def pick(vector, index, at):
+    """`vector[at]` for a scalar `at` (index: `arange` of the vector's length), without a gather on a
+    loaded value, which the Triton lowering rejects."""
+    return jnp.sum(jnp.where(index == at, vector, 0))

@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from weaver_jax._model import KVCache
 from weaver_jax._speculative import Acceptance, commit_kv, walk_choices
 from weaver_jax._tree import Tree
-from weaver_jax.pallas_kernels._call import pallas_call, pow2_at_least
+from weaver_jax.pallas_kernels._call import pallas_call, pick, pow2_at_least
 
 
 def accept_commit_reference(tree: Tree, choice, cache: KVCache, *, max_depth: int) -> tuple[Acceptance, KVCache]:
@@ -50,7 +50,7 @@ def _walk(tokens_ref, parent_ref, valid_ref, choice_ref, *, steps: int, p: int):
 
     def step(i, carry):
         cur, alive, path, length, bonus = carry
-        y = jnp.sum(jnp.where(index == cur, choice, 0))  # choice[cur], without a gather
+        y = pick(choice, index, cur)
         match = valid & (parent == cur) & (tokens == y)
         child = jnp.min(jnp.where(match, index, n))
         found = alive & (child < n)

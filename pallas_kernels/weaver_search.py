@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from weaver_jax._model import KVCache, rope_frequencies
 from weaver_jax._tree import Tree, round_loop, search_calls
 from weaver_jax.pallas_kernels import MASKED_SCORE
-from weaver_jax.pallas_kernels._call import pallas_call, pow2_at_least
+from weaver_jax.pallas_kernels._call import pallas_call, pick, pow2_at_least
 
 MAX_WIDTH = 512  # adapter widths (d_rank) one program's registers hold; wider adapters keep the XLA search
 MAX_WEIGHTS = 1 << 22  # adapter block parameters one program streams per call (8 MB in bfloat16) at most
@@ -73,11 +73,6 @@ def _tile(ref, rows, cols, row_inside=None, col_inside=None):
 def _rows(cache, b, slots, head, cols):
     """The index of `cache[b, slots, head, cols]` for a `[len(slots), len(cols)]` load or store."""
     return cache.at[b, slots[:, None], head, cols[None, :]]
-
-
-def _pick(vector, index, at):
-    """`vector[at]` for a scalar `at` without a gather on loaded values (which Triton cannot lower)."""
-    return jnp.sum(jnp.where(index == at, vector, 0))
 
 
 def _rms(x, scale_ref, bias_ref, d: int, eps: float):
@@ -135,7 +130,7 @@ def _expand_kernel(count_ref, values_ref, tokens_ref, tree_ref, score_ref, anc_r
     if root_call:  # the root (node 0) is in the tree already: expand it alone
         ok = lane == 0
         nodes = jnp.where(ok, 0, n_p - w_p + lane)
-        token = jnp.where(ok, _pick(tree_ref[0], node_index, 0), 0)
+        token = jnp.where(ok, pick(tree_ref[0], node_index, 0), 0)
         depth = jnp.zeros((w_p,), jnp.int32)
         strict = jnp.zeros((w_p, n_p), jnp.bool_)
     else:
@@ -229,7 +224,7 @@ def _children_kernel(nodes_ref, u_ref, tree_ref, score_ref, pool_ids_ref, pool_l
     @pl.when(node >= 0)
     def _publish():
         index = jnp.arange(score_ref.shape[0])
-        depth = _pick(tree_ref[2], index, node)
+        depth = pick(tree_ref[2], index, node)
         row = jnp.minimum(depth, pool_ids_ref.shape[1] - 1)  # pool row t is depth t + 1: a node at depth t reads row t
         lanes = jnp.arange(pool_ids_ref.shape[2])
         inside = lanes < pool
@@ -249,11 +244,11 @@ def _children_kernel(nodes_ref, u_ref, tree_ref, score_ref, pool_ids_ref, pool_l
         for j in range(c):
             best = jnp.max(logp)
             at = jnp.min(jnp.where(logp == best, lanes, lanes.shape[0]))
-            values, tokens = jnp.where(rank == j, best, values), jnp.where(rank == j, _pick(ids, lanes, at), tokens)
+            values, tokens = jnp.where(rank == j, best, values), jnp.where(rank == j, pick(ids, lanes, at), tokens)
             logp = jnp.where(lanes == at, -jnp.inf, logp)
         alive = (rank < c) & (depth < max_depth)
         slots = node * c_p + rank
-        plgpu.store(values_out.at[slots], jnp.where(alive, _pick(score_ref[...], index, node) + values, -jnp.inf))
+        plgpu.store(values_out.at[slots], jnp.where(alive, pick(score_ref[...], index, node) + values, -jnp.inf))
         plgpu.store(tokens_out.at[slots], tokens)
 
 

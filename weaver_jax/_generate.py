@@ -259,9 +259,10 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
 
     method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
-    `budget`, default 64) or "weaver" (options `budget`, `children_per_node` (8),
-    `expansions_per_call` (ceil(budget / 16)), `pool_size` (the adapter's)): the speculative
-    methods emit exactly what "ar" would (greedy) or the same distribution (sampling).
+    `budget`, default 64) or "weaver" (options `budget` (24), `children_per_node` (8),
+    `expansions_per_call` (ceil(budget / 3)), `pool_size` (the adapter's)); every speculative
+    method takes `depth` (the deepest tree level): they emit exactly what "ar" would (greedy) or
+    the same distribution (sampling).
     eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
     uses `fold_in(key(seed), i)`) or one seed per prompt. pad_to: the padded prompt length (default:
     the longest prompt rounded up to 32); calls with the same batch size, pad_to and options share
