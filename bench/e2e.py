@@ -67,6 +67,7 @@ def run(bundle, prompts, config: str, batch: int, temperature: float, args) -> t
         accepted += sum(out.stats.get("sequence_accepted_tokens", [0]))
         texts += out.tokens
     row = dict(config=config, batch=batch, temperature=temperature, tokens_per_second=tokens / seconds,
+               dtype=str(bundle.config.dtype),
                tau=accepted / verifications if verifications else 1.0, new_tokens=tokens, seconds=seconds,
                prompts=len(prompts), max_new_tokens=args.max_new_tokens, device=jax.devices()[0].device_kind)
     return row, texts

@@ -201,6 +201,20 @@ case "$variant" in
         | tee -a "$OUT/log.txt"
       configs="$base@all"
     done ;;
+  issue17-levers)  # the default Weaver round (budget 24, 8 per call) stage by stage with its optimized HLO, under XLA
+    # flag variants, with the search kernels under 8 warps / 3 stages; then the Qwen3-8B round at the new default
+    base="weaver:budget=24,expansions_per_call=8"
+    rp() { timeout "$1" python3 bench/round_profile.py --random-target smollm2-135m --batch 1 "${@:2}" 2>&1 | grep -v "^\[" \
+      | cut -c1-1500 | tee -a "$OUT/log.txt"; }
+    rp 150 --config ar dflash $base --hlo-dir "$OUT/hlo" --json "$OUT/levers_base.json"
+    rp 80 --config $base@all --kernel-options '{"weaver_search": {"num_warps": 8, "num_stages": 3}}' \
+      --json "$OUT/levers_search_w8s3.json"
+    for flags in --xla_gpu_enable_triton_gemm=false --xla_gpu_graph_enable_concurrent_region=true; do
+      echo "XLA_FLAGS=$flags" | tee -a "$OUT/log.txt"
+      XLA_FLAGS=$flags rp 110 --config ar dflash $base --json "$OUT/levers_$(echo "$flags" | tr -dc 'a-z_').json"
+    done
+    timeout 120 python3 bench/verify.py --shape qwen3-8b --contexts 1024 --kernels on --stages round --nodes 24 \
+      --budgets 24 --calls 3 --json "$OUT/round_qwen3-8b_default.json" 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
   flags)  # XLA command buffers (CUDA graphs) around the while loop: fewer launch gaps for small models
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1" \
       python3 bench/decode.py --shape smollm2-135m --batch 1 32 --label cmdbuf-while --json "$OUT/smollm2_cmdbuf.json" ;;

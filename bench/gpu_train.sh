@@ -13,7 +13,8 @@
 #                                                 # method and budget: a call finishes ~7; rerun to continue;
 #                                                 # TAU_BUDGETS="64" to take those budgets first)
 #   bash bench/gpu_train.sh e2e "1 8" 0 "ar dflash weaver:budget=64"   # bench/e2e.py: tokens/s vs ar through
-#                                                 # generate, 48 held-out prompts (carry .stage/eval/eval_prompts.json)
+#                                                 # generate, 48 held-out prompts (carry .stage/eval/eval_prompts.json;
+#                                                 # E2E_ARGS: more e2e.py options, E2E_LABEL: a suffix for its JSON)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
 #
 # Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`. Chain
@@ -104,8 +105,8 @@ while [ $# -gt 0 ]; do
     e2e)  # e2e BATCHES TEMPERATURES CONFIGS
       need_gguf
       timeout $((570 - SECONDS)) python3 bench/e2e.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
-        --eval-prompts .stage/eval/eval_prompts.json --batch $2 --temperatures $3 --config $4 \
-        --json "$OUT/e2e_$(echo "$2_$3" | tr ' .' '-p').json" 2>&1 | grep -v "^\[\|^W1\|^I1"
+        --eval-prompts .stage/eval/eval_prompts.json --batch $2 --temperatures $3 --config $4 ${E2E_ARGS:-} \
+        --json "$OUT/e2e_$(echo "$2_$3" | tr ' .' '-p')${E2E_LABEL:-}.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 4 ;;
     profile)  # profile BATCH CONFIGS
       need_gguf

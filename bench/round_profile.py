@@ -109,6 +109,7 @@ def main():
     parser.add_argument("--kernel-options", type=json.loads, default={},
                         help='launch options per Pallas kernel, e.g. \'{"weaver_search": {"num_warps": 8}}\'')
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--hlo-dir", type=Path, help="write each configuration's optimized HLO there")
     args = parser.parse_args()
     for name, options in args.kernel_options.items():  # callers look each kernel up in its module when traced
         module = importlib.import_module(f"weaver_jax.pallas_kernels.{name}")
@@ -133,27 +134,36 @@ def main():
         out = jax.block_until_ready(compiled(*call_args))
         wall = time.perf_counter() - t0
         rounds = int(out.rounds) - (1 if method == "ar" else 0)  # loop iterations (ar counts its prefill)
-        stages = op_stages(compiled.as_text())
+        hlo = compiled.as_text()
+        stages = op_stages(hlo)
+        if args.hlo_dir:
+            args.hlo_dir.mkdir(parents=True, exist_ok=True)
+            (args.hlo_dir / (re.sub(r"\W", "_", config) + ".hlo.txt")).write_text(hlo)
         busy, kernels = collections.defaultdict(float), collections.Counter()
         events = gpu_events(functools.partial(compiled, *fresh()[2]))
-        unknown = collections.Counter()
+        unknown, by_kernel = collections.Counter(), collections.defaultdict(lambda: [0, 0.0])
         for kernel, op, us in events:
             stage = stages.get(_key(op)) or stages.get(_key(kernel)) or "unattributed"
             if stage == "unattributed":
                 unknown[kernel, op] += 1
             busy[stage] += us
             kernels[stage] += 1
+            name = _key(kernel if not op or op.startswith("command_buffer") else op)  # inside a graph: the kernel's
+            by_kernel[stage, name[:120]][0] += 1
+            by_kernel[stage, name[:120]][1] += us
         per_round = {s: busy[s] / rounds for s in busy if s != "prefill"}
         row = dict(config=config, batch=args.batch, rounds=rounds, wall_us_per_round=wall / rounds * 1e6,
                    busy_us_per_round=sum(per_round.values()),
                    kernels_per_round=sum(kernels[s] for s in kernels if s != "prefill") / rounds,
                    stages={s: dict(us=busy[s] / rounds, kernels=kernels[s] / rounds) for s in sorted(busy)},
                    kernel_options=args.kernel_options,
+                   top_kernels=[(stage, name, n / rounds, us / rounds) for (stage, name), (n, us)
+                                in sorted(by_kernel.items(), key=lambda item: -item[1][1])[:80] if stage != "prefill"],
                    tokens_per_round=(float(jnp.mean(out.num_tokens)) - 1) / rounds,  # the prefill's token aside
                    device=jax.devices()[0].device_kind, target="random " + args.random_target if args.random_target
                    else args.model)
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
         if unknown:
             print("unattributed (kernel, HLO op), most frequent:", unknown.most_common(8), flush=True)
     if args.json:
