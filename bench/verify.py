@@ -8,7 +8,7 @@ time(1)) / n, like bench/decode.py: verification of an N-node random tree (ances
 positions len + depth) over a `--context`-token prefix, against N = 1 (a decode step) in the same
 run (at each of `--contexts`, with the target's attention through XLA and/or the Pallas kernel,
 `--kernels`); Weaver tree construction at budgets `--budgets` (adapter of width `--adapter-rank`,
-`--adapter-layers` layers, pool 512, 8 children per node) against the same number of
+`--adapter-layers` layers, `--pool` candidates per depth, 8 children per node) against the same number of
 full-vocabulary projections done as one matmul; then one round's stages for `dflash`, `ddtree`
 and `weaver` (budget 64): drafter proposal, tree build, verification, acceptance + commit.
 Random weights; a 5-layer DFlash drafter of the target's width.
@@ -37,7 +37,7 @@ import weaver_jax as wj  # noqa: E402
 from weaver_jax import _model  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
-from weaver_jax._speculative import accept_and_move, build_tree, node_choices  # noqa: E402
+from weaver_jax._speculative import DEFAULT_POOL, accept_and_move, build_tree, node_choices  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
 from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
 
@@ -99,6 +99,8 @@ def main():
     parser.add_argument("--calls", type=int, default=16,
                         help="Weaver expands ceil(budget / calls) nodes per adapter call, so a tree takes ~calls calls "
                              "(16 here, as issues 3-8 measured; generate's default is about 3)")
+    parser.add_argument("--pool", type=int, default=DEFAULT_POOL,
+                        help="Weaver's candidates per depth (generate's default; the adapter is made with 512)")
     parser.add_argument("--adapter-rank", type=int, default=1024)
     parser.add_argument("--adapter-layers", type=int, default=2)
     parser.add_argument("--adapter-heads", type=int, help="default: rank / 128")
@@ -146,7 +148,7 @@ def main():
             a = nnx.merge(agraphdef, ws[0])
             return weaver_tree(a, ws[1], c, ws[2], ws[3], ws[4] * (1 + 1e-30 * c[:, None, None]), budget=budget,
                                children=8, expansions=-(-budget // args.calls),
-                               pool_size=aconfig.candidate_pool_size
+                               pool_size=args.pool
                                ).tokens[:, -1]
         return body
 
@@ -163,7 +165,7 @@ def main():
     weaver_ws = (aparams, tables, root_state, dstates, marginals)
     trees = {"weaver": jax.jit(lambda ws: weaver_tree(nnx.merge(agraphdef, ws[0]), ws[1], start, ws[2], ws[3], ws[4],
                                                       budget=64, children=8, expansions=-(-64 // args.calls),
-                                                      pool_size=aconfig.candidate_pool_size))(weaver_ws),
+                                                      pool_size=args.pool))(weaver_ws),
              "dflash": build_tree("dflash", start, marginals, {}), "ddtree": build_tree("ddtree", start, marginals,
                                                                                        {"budget": 64})}
 

@@ -67,9 +67,10 @@ def test_which_adapters_take_the_kernels():
 
 
 LIBRARY_SHAPES = [  # batch, budget, expansions, d_rank, heads, mlp, pool, dtype: the shipped SmolLM2 adapter at
-    # the default and wider calls, B 1 / 8, budget 16 / 64 / 256; the widest adapter that fits
+    # generate's defaults (budget 24, 8 per call, pool 64), B 1 / 8, budget 64 / 256, its full pool; the widest
+    # adapter that fits
     (1, 64, 4, 192, 3, 512, 512, jnp.bfloat16), (8, 64, 8, 192, 3, 512, 512, jnp.bfloat16),
-    (1, 16, 1, 192, 3, 512, 512, jnp.bfloat16), (1, 256, 16, 192, 3, 512, 512, jnp.bfloat16),
+    (1, 24, 8, 192, 3, 512, 64, jnp.bfloat16), (1, 256, 16, 192, 3, 512, 512, jnp.bfloat16),
     (1, 64, 4, 512, 4, 1024, 512, jnp.float32),
 ]
 

@@ -260,7 +260,7 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
 
     method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
     `budget`, default 64) or "weaver" (options `budget` (24), `children_per_node` (8),
-    `expansions_per_call` (ceil(budget / 3)), `pool_size` (the adapter's)); every speculative
+    `expansions_per_call` (ceil(budget / 3)), `pool_size` (64, at most the adapter's)); every speculative
     method takes `depth` (the deepest tree level): they emit exactly what "ar" would (greedy) or
     the same distribution (sampling).
     eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
