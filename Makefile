@@ -6,7 +6,7 @@ PYTHON_CANDIDATES := python3.12 python3.13 $(wildcard $(HOME)/.pyenv/versions/3.
 	$(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
 EXTRAS ?= model,dev,notebooks
 
-.PHONY: demo test lint clean notebooks notebooks-sync
+.PHONY: demo test test-gpu lint clean notebooks notebooks-sync
 
 $(VENV)/.installed: pyproject.toml
 	@py=""; for c in $(PYTHON_CANDIDATES); do \
@@ -25,6 +25,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --durations=15 -m "not gpu"
+
+test-gpu:  # on a machine with a GPU and jax[cuda] (the device tool: `make test-gpu` there); logs in $$OUT
+	bash tests/gpu.sh
 
 notebooks: $(VENV)/.installed  # all four, full settings (train: ~10 min on CPU)
 	$(PY) notebooks/run.py --all

@@ -207,17 +207,17 @@ def main():
 
                         def accept_commit(carry, ws, tree=tree):  # the Pallas kernels when --kernels on
                             logits = ws[0] + 1e-30 * carry[0][:, None, None]
-                            acc, moved = accept_and_move(tree, logits, carry[1], ws[1], wj.Sampling(), depth)
+                            acc, moved = accept_and_move(tree, logits, carry[1], ws[1], None, wj.Sampling(), depth)
                             return acc.bonus, moved
 
                         def walk_commit(carry, ws, tree=tree):  # the same without the per-node argmax over logits
                             choice = ws + (carry[0][:, None] % 2)
-                            acc, moved = accept_and_move(tree, None, carry[1], None, wj.Sampling(), depth,
+                            acc, moved = accept_and_move(tree, None, carry[1], None, None, wj.Sampling(), depth,
                                                          choice=choice)
                             return acc.bonus, moved
 
                         accept_s = stage(accept_commit, (start, cache), (logits, wj.sequence_keys(0, b)))
-                        choices = node_choices(logits, wj.sequence_keys(0, b), wj.Sampling())
+                        choices = node_choices(logits, wj.sequence_keys(0, b), None, wj.Sampling())
                         walk_s = stage(walk_commit, (start, cache), choices)
                         rows.append(dict(stage="round", method=method, nodes=tree.size, drafter_ms=drafter_s * 1e3,
                                          tree_ms=build_s * 1e3, verify_ms=tree_verify_s * 1e3,

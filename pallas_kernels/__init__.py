@@ -13,6 +13,8 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
   weaver_search: the Weaver tree search, two kernels per adapter call (select + node step through
     every adapter block; pool scoring + publishing children) instead of ~50 XLA kernels, for adapters
     one program can hold (`weaver_search.fits`).
+  row_invariant: exact mode's matrix product and attention, whose value for a row does not depend on
+    the other rows. Used by the target's forward with `exact=True`, whatever the selection below.
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
 `WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off. By default, where jax's backend is a GPU,

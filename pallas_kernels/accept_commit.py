@@ -1,9 +1,10 @@
 """Acceptance walk and K/V commit for a batch of trees, in place on the cache.
 
 The walk: from the root, the target's token at the current node is `choice[cur]` (its argmax, or
-its sample keyed by node index); move to the valid child carrying it (the lowest index if several),
-else it is the bonus. The commit: the K/V of the accepted nodes (scratch slots `len + path[i]`) move
-to `len + i`, in every layer; slots past the committed length are free space, so nothing is undone.
+its sample keyed by the generated token it is for, `_speculative.node_steps`); move to the valid
+child carrying it (the lowest index if several), else it is the bonus. The commit: the K/V of the
+accepted nodes (scratch slots `len + path[i]`) move to `len + i`, in every layer; slots past the
+committed length are free space, so nothing is undone.
 
 Two Pallas Triton kernels over a grid of (batch, K/V head), each program walking its sequence's
 tree (a few vector ops per depth, repeated per head rather than communicated):

@@ -1,4 +1,4 @@
-"""Adapter attention: the Pallas kernel gathering each node's visible slots (interpret mode on CPU)
+"""Adapter attention: the Pallas kernel gathering each node's visible slots (interpret mode on a CPU, compiled on a GPU)
 equals the masked softmax over all slots on fresh random inputs, with the output poisoned so
 unwritten elements fail; `visible_slots` lists exactly the mask's slots; and the kernel lowers for
 CUDA (Triton) at the shapes the library uses."""
@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from weaver_jax.pallas_kernels import interpret
 from weaver_jax.pallas_kernels.adapter_attention import adapter_attention, adapter_attention_reference, visible_slots
 
 from .cuda import lower_for_cuda
@@ -54,7 +55,7 @@ def test_kernel_matches_reference(case):
     for r, j in np.ndindex(b, w):
         listed[r, j, [x for x in np.asarray(slots[r, j]) if x >= 0]] = True
     np.testing.assert_array_equal(listed, mask, err_msg=f"seed {seed}")
-    out = adapter_attention(q, k_cache, v_cache, slots, interpret=True, poison=True)
+    out = adapter_attention(q, k_cache, v_cache, slots, interpret=interpret(), poison=True)
     ref = adapter_attention_reference(q, k_cache, v_cache, slots)
     tol = 2e-5 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol, err_msg=f"seed {seed}")

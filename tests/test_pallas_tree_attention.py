@@ -1,4 +1,4 @@
-"""Tree attention: the Pallas kernel (interpret mode on CPU) equals the masked-softmax reference on
+"""Tree attention: the Pallas kernel (interpret mode on a CPU, compiled on a GPU) equals the masked-softmax reference on
 fresh random inputs, with outputs poisoned so unwritten elements fail; and it lowers for CUDA
 (Triton) at the shapes the library uses, so an operation Triton rejects fails here, not on a GPU."""
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from weaver_jax._tree import Tree
+from weaver_jax.pallas_kernels import interpret
 from weaver_jax.pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
 from .cuda import lower_for_cuda
@@ -48,7 +49,8 @@ def test_kernel_matches_reference(case):
     k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.float32) for _ in range(2))
     lengths = jnp.asarray(rng.integers(0, s - n + 1, b), jnp.int32)  # ragged, any alignment, 0 allowed
     ancestors = random_ancestors(rng, b, n, padding)
-    out = tree_attention(q, k_cache, v_cache, lengths, ancestors, block_k=16, **options, interpret=True, poison=True)
+    out = tree_attention(q, k_cache, v_cache, lengths, ancestors, block_k=16, **options, interpret=interpret(),
+                         poison=True)
     ref = tree_attention_reference(q, k_cache, v_cache, lengths, ancestors)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5, err_msg=f"seed {seed}")
 
@@ -60,7 +62,8 @@ def test_bfloat16_inputs_accumulate_in_float32():
     q = jnp.asarray(rng.standard_normal((b, n, h, d)), jnp.bfloat16)
     k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.bfloat16) for _ in range(2))
     lengths, ancestors = jnp.array([40, 88]), random_ancestors(rng, b, n, 2)
-    out = tree_attention(q, k_cache, v_cache, lengths, ancestors, block_k=16, splits=2, interpret=True, poison=True)
+    out = tree_attention(q, k_cache, v_cache, lengths, ancestors, block_k=16, splits=2, interpret=interpret(),
+                         poison=True)
     assert out.dtype == jnp.bfloat16
     ref = tree_attention_reference(q.astype(jnp.float32), *(c.astype(jnp.float32) for c in (k_cache, v_cache)),
                                    lengths, ancestors)

@@ -1,4 +1,4 @@
-"""The Weaver search in its Pallas kernels (interpret mode on CPU) builds the tree the XLA search
+"""The Weaver search in its Pallas kernels (interpret mode on a CPU, compiled on a GPU) builds the tree the XLA search
 builds, takes the adapters it is meant for, and lowers for CUDA (Triton) at the library's shapes.
 
 The tree comparisons use fixed seeds: both searches pick top-k's of float32 scores computed in

@@ -55,7 +55,7 @@ def _emit(state: ARState, token: jax.Array, active: jax.Array, eos_ids: tuple[in
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "kernels"),
+    static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "kernels", "exact"),
     donate_argnames=("cache",),
 )
 def ar_generate(
@@ -70,25 +70,29 @@ def ar_generate(
     sampling: Sampling = _GREEDY,
     eos_ids: tuple[int, ...] = (),
     kernels: tuple[str, ...] = (),
+    exact: bool = False,
 ) -> AROutput:
     """Prefill `prompts [B, T]` (right-padded; real lengths `prompt_lengths [B]`) after whatever
     `cache` already holds, then decode up to `max_new_tokens` per sequence.
 
     graphdef, params = `nnx.split(target)`. keys `[B]`: one PRNG key per sequence.
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
-    slots; it is donated. kernels: the Pallas kernels to use (names).
+    slots; it is donated. kernels: the Pallas kernels to use (names). exact: the target's
+    row-invariant forward (`Transformer.__call__`), whose tokens every speculative method reproduces
+    bitwise with `exact=True`.
     """
     with kernel_scope(kernels):
-        return _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids)
+        return _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids,
+                            exact)
 
 
-def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids):
+def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids, exact):
     b, t = prompts.shape
     if t + max_new_tokens > cache.size:  # necessary even for an empty cache; slots would be clamped
         raise ValueError(f"cache of {cache.size} slots cannot hold prompts of {t} + {max_new_tokens} new tokens")
     model = nnx.merge(graphdef, params)
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    out = model(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None])
+    out = model(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None], exact=exact)
     cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
 
     state = ARState(
@@ -103,7 +107,7 @@ def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new
 
     def body(s: ARState):
         active = ~s.done
-        o = model(s.last[:, None], s.cache.lengths[:, None], s.cache)
+        o = model(s.last[:, None], s.cache.lengths[:, None], s.cache, exact=exact)
         cache = o.cache.with_lengths(s.cache.lengths + active)
         token = select(o.logits[:, 0], keys, s.step, sampling)
         s = s._replace(step=s.step + 1, cache=cache)
@@ -197,7 +201,7 @@ def _speculative_setup(bundle, method: str, method_options: dict):
 
 
 def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
-             method_options, round_only=False, pad_to=None):
+             method_options, round_only=False, pad_to=None, exact=False):
     """Validation, padding and the jitted function's arguments: -> (fn, static, args)."""
     from weaver_jax._speculative import METHODS, spec_first_round, spec_generate
 
@@ -209,6 +213,8 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     prompts = validate_prompts(prompts, config.vocab_size)
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(exact, bool):
+        raise ValueError(f"exact must be True or False, got {exact!r}")
     sampling = Sampling(float(temperature), top_k, float(top_p))
     eos_ids = _eos_ids(eos_token_id, bundle.eos_token_ids, config.vocab_size)
     longest = max(len(p) for p in prompts)
@@ -232,7 +238,7 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     keys = sequence_keys(seed, len(prompts))
     graphdef, params = nnx.split(bundle.target)
     static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids,
-                  kernels=enabled_kernels())
+                  kernels=enabled_kernels(), exact=exact)
     if method == "ar":
         size = _round_up(padded_len + max_new_tokens, 128)
         fn, args = ar_generate, [params, KVCache.init(config, len(prompts), size)]
@@ -254,15 +260,18 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
 
 def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
-             eos_token_id: int | Sequence[int] | None = None, pad_to: int | None = None,
+             eos_token_id: int | Sequence[int] | None = None, pad_to: int | None = None, exact: bool = False,
              **method_options) -> GenerateResult:
     """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
 
     method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
     `budget`, default 64) or "weaver" (options `budget` (24), `children_per_node` (8),
     `expansions_per_call` (ceil(budget / 3)), `pool_size` (64, at most the adapter's)); every speculative
-    method takes `depth` (the deepest tree level): they emit exactly what "ar" would (greedy) or
-    the same distribution (sampling).
+    method takes `depth` (the deepest tree level): they emit exactly what "ar" would, greedy or
+    sampled with the same seed (up to rounding differences between a tree's and a step's logits,
+    which can flip a near-tie; with `exact=True` none: the target's numbers for a token do not depend
+    on how many tokens it is computed with, so every method's output is bitwise `ar`'s with
+    `exact=True`, in any dtype, at some cost in speed (BENCHMARKS.md)).
     eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
     uses `fold_in(key(seed), i)`) or one seed per prompt. pad_to: the padded prompt length (default:
     the longest prompt rounded up to 32); calls with the same batch size, pad_to and options share
@@ -272,7 +281,7 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     `sequence_verifications` and `sequence_accepted_tokens`).
     """
     fn, static, args = _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed,
-                                eos_token_id, method_options, pad_to=pad_to)
+                                eos_token_id, method_options, pad_to=pad_to, exact=exact)
     t0 = time.perf_counter()
     compiled = _compiled(fn, static, *args)
     t1 = time.perf_counter()

@@ -86,10 +86,33 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float, bias: jax.Array | None = None) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, bias: jax.Array | None = None,
+             exact: bool = False) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
+    squares = pairwise_sum(x32 * x32) / x.shape[-1] if exact else jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(squares + eps) * scale.astype(jnp.float32)
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """`[..., D] -> [..., 1]`: the sum over the last axis by halving (zero-padded to a power of two),
+    all elementwise adds, so the order cannot depend on the other axes (exact mode: XLA picks a
+    reduction's order from the whole shape)."""
+    width = 1 << (x.shape[-1] - 1).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    while x.shape[-1] > 1:
+        x = x[..., : x.shape[-1] // 2] + x[..., x.shape[-1] // 2 :]
+    return x
+
+
+def dense(x: jax.Array, w: jax.Array, exact: bool = False, transpose_w: bool = False) -> jax.Array:
+    """`x @ w` (`w.T` with transpose_w) in x's dtype; exact: each row's product is independent of
+    the other rows (the row-invariant kernel)."""
+    if exact:
+        from weaver_jax.pallas_kernels.row_invariant import matmul
+
+        return matmul(x, w, transpose_w=transpose_w, interpret=interpret()).astype(x.dtype)
+    return x @ (w.T if transpose_w else w)
 
 
 def visibility_mask(lengths: jax.Array, attend: jax.Array, cache_size: int) -> jax.Array:
@@ -142,26 +165,32 @@ class Attention(nnx.Module):
         self.k_norm = nnx.Param(jnp.ones((c.head_dim,), dt)) if c.qk_norm else None
         self.out = _param(rngs, (c.num_heads * c.head_dim, c.hidden_size), dt, c.num_heads * c.head_dim)
 
-    def project(self, x, positions, inv_freq):
+    def project(self, x, positions, inv_freq, exact: bool = False):
         """x `[B, T, D]` -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = x @ self.qkv[...]
+        qkv = dense(x, self.qkv[...], exact)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         q = qkv[..., : h * d].reshape(b, t, h, d)
         k = qkv[..., h * d : (h + kv) * d].reshape(b, t, kv, d)
         v = qkv[..., (h + kv) * d :].reshape(b, t, kv, d)
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm[...], self.eps), rms_norm(k, self.k_norm[...], self.eps)
+            q, k = rms_norm(q, self.q_norm[...], self.eps, exact=exact), rms_norm(k, self.k_norm[...], self.eps,
+                                                                                   exact=exact)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.project(x, positions, inv_freq)
+        exact = isinstance(mask, PositionPath)
+        q, k, v = self.project(x, positions, inv_freq, exact)
         k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
-        if isinstance(mask, TreeVisibility):  # the Pallas kernel: prefix [0, len) + `attend` among the new tokens
+        if exact:  # the row-invariant kernel, by position
+            from weaver_jax.pallas_kernels.row_invariant import attention
+
+            o = attention(q, k_cache, v_cache, positions, lengths, mask.path, interpret=interpret())
+        elif isinstance(mask, TreeVisibility):  # the Pallas kernel: prefix [0, len) + `attend` among the new tokens
             from weaver_jax.pallas_kernels.tree_attention import tree_attention
 
             o = tree_attention(q, k_cache, v_cache, lengths, mask.attend, interpret=interpret())
@@ -171,7 +200,7 @@ class Attention(nnx.Module):
             o = adapter_attention(q, k_cache, v_cache, mask.slots, interpret=interpret())
         else:
             o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
-        return o.astype(x.dtype).reshape(b, t, h * d) @ self.out[...], k_cache, v_cache
+        return dense(o.astype(x.dtype).reshape(b, t, h * d), self.out[...], exact), k_cache, v_cache
 
 
 def _bias(shape, dtype, present: bool) -> nnx.Param | None:
@@ -190,10 +219,10 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (c.intermediate_size, c.hidden_size), dt, c.intermediate_size)
         self.down_bias = _bias((c.hidden_size,), dt, bias)
 
-    def __call__(self, x):
-        h = x @ self.gate_up[...]
+    def __call__(self, x, exact: bool = False):
+        h = dense(x, self.gate_up[...], exact)
         gate, up = jnp.split(h if self.gate_up_bias is None else h + self.gate_up_bias[...], 2, axis=-1)
-        y = (jax.nn.silu(gate) * up) @ self.down[...]
+        y = dense(jax.nn.silu(gate) * up, self.down[...], exact)
         return y if self.down_bias is None else y + self.down_bias[...]
 
 
@@ -212,10 +241,11 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs, bias=mlp_bias)
 
     def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
-        a, k_cache, v_cache = self.attn(rms_norm(x, self.attn_norm[...], self.eps, _value(self.attn_norm_bias)),
+        exact = isinstance(mask, PositionPath)
+        a, k_cache, v_cache = self.attn(rms_norm(x, self.attn_norm[...], self.eps, _value(self.attn_norm_bias), exact),
                                         positions, inv_freq, k_cache, v_cache, lengths, mask)
         x = x + a
-        return (x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps, _value(self.mlp_norm_bias))),
+        return (x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps, _value(self.mlp_norm_bias), exact), exact),
                 k_cache, v_cache)
 
 
@@ -238,12 +268,17 @@ class Transformer(nnx.Module):
         """Final norm + LM head: `[..., D] -> [..., V]` float32."""
         return self.head(self.final_state(h))
 
-    def final_state(self, h: jax.Array) -> jax.Array:
+    def final_state(self, h: jax.Array, exact: bool = False) -> jax.Array:
         """The final RMSNorm of last-layer outputs `[..., D]` (what the LM head reads)."""
-        return rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
+        return rms_norm(h, self.final_norm[...], self.config.rms_norm_eps, exact=exact)
 
-    def head(self, h: jax.Array) -> jax.Array:
+    def head(self, h: jax.Array, exact: bool = False) -> jax.Array:
         """The LM head alone (the drafter applies it to its own normed states): `[..., D] -> [..., V]`."""
+        if exact:
+            from weaver_jax.pallas_kernels.row_invariant import matmul
+
+            tied = self.lm_head is None
+            return matmul(h, self.embed[...] if tied else self.lm_head[...], transpose_w=tied, interpret=interpret())
         if self.lm_head is None:
             return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
@@ -257,9 +292,13 @@ class Transformer(nnx.Module):
         *,
         logits_rows: jax.Array | None = None,
         hidden_layers: tuple[int, ...] = (),
+        exact: bool = False,
     ) -> ForwardOutput:
-        """tokens, positions `[B, T]` int; attend `[B, T, T]` bool (None: causal);
-        logits_rows `[B, R]` row indices into T (None: every row)."""
+        """tokens, positions `[B, T]` int (each new token at `cache.lengths +` its depth among them);
+        attend `[B, T, T]` bool (None: causal); logits_rows `[B, R]` row indices into T (None: every
+        row). exact: a token's numbers do not depend on the other tokens of the call (row-invariant
+        products and attention by position: `weaver_jax.pallas_kernels.row_invariant`), so a decode
+        step, a prefill and a tree verification give it bitwise the same logits."""
         b, t = tokens.shape
         if t > cache.size:
             raise ValueError(f"{t} new tokens do not fit in a cache of {cache.size} slots")
@@ -272,8 +311,15 @@ class Transformer(nnx.Module):
         # The kernel's tiles need d = 2^k >= 16. It serves decode steps too: at one token it measured
         # 1.08-1.20x XLA's attention at the Qwen3-8B shape and 1.23-1.79x at SmolLM2's (BENCHMARKS.md)
         kernel = kernels_enabled("tree_attention") and d >= 16 and d & (d - 1) == 0
+        mask = PositionPath(position_path(positions, cache.lengths, attend)) if exact else None
         x, hidden, new_cache = run_blocks(self.layers, x, positions, rope_frequencies(self.config), cache, attend,
-                                          hidden_layers, kernel=kernel)
+                                          hidden_layers, mask, kernel=kernel)
+        if exact:  # rows picked after the norm: a gather between the last residual add and the norm would
+            # change what XLA may fuse (and round) there, and with it the row's numbers
+            x = self.final_state(x, exact=True)
+            if logits_rows is not None:
+                x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
+            return ForwardOutput(self.head(x, exact=True), hidden, new_cache)
         if logits_rows is not None:
             x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
         return ForwardOutput(self.logits(x), hidden, new_cache)
@@ -287,6 +333,24 @@ class TreeVisibility(NamedTuple):
     attend: jax.Array
 
 
+class PositionPath(NamedTuple):
+    """Exact mode's visibility: the committed prefix, then `path [B, T, T]` (`position_path`): which new
+    token each new token sees at each position past the prefix. Every product and reduction of a layer
+    given this one is row-invariant."""
+
+    path: jax.Array
+
+
+def position_path(positions: jax.Array, lengths: jax.Array, attend: jax.Array) -> jax.Array:
+    """positions `[B, T]` (each new token at `lengths +` its depth), attend `[B, T, T]` bool -> `[B, T, T]`
+    int32: path[b, t, j] = the new token at position `lengths[b] + j` that token t sees (-1: none)."""
+    b, t = positions.shape
+    column = jnp.where(attend, (positions - lengths[:, None])[:, None, :], t)  # out of range where unseen
+    return jnp.full((b, t, t), -1, jnp.int32).at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
+                                                 column].max(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32),
+                                                                              (b, t, t)), mode="drop")
+
+
 class SlotVisibility(NamedTuple):
     """Visibility as the cache slots each new token sees, `slots [B, T, L]` (-1: none), for the
     adapter-attention kernel (which gathers those rows instead of masking all S)."""
@@ -298,8 +362,9 @@ def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_la
                kernel: bool = False):
     """The layer stack shared by target, drafter and adapter: returns the last output, the outputs
     of `hidden_layers`, and the cache with the new K/V written at `[lengths, lengths + T)` (lengths
-    unchanged). `mask [B, T, S]` (or a `SlotVisibility`) overrides the committed-prefix + `attend` visibility; `kernel`
-    computes that visibility inside the Pallas tree-attention kernel instead."""
+    unchanged). `mask [B, T, S]` (or a `SlotVisibility`, or a `PositionPath`: exact mode) overrides the
+    committed-prefix + `attend` visibility; `kernel` computes that visibility inside the Pallas
+    tree-attention kernel instead."""
     if mask is None:
         mask = TreeVisibility(attend.astype(jnp.int8)) if kernel else visibility_mask(cache.lengths, attend, cache.size)
     hidden, ks, vs = {}, [], []

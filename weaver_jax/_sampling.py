@@ -1,7 +1,9 @@
 """Token selection from target logits: greedy, or sampling with temperature / top-k / top-p.
 
-Randomness is keyed per sequence: each sequence carries its own key and step `t` uses
-`fold_in(key, t)`, so a sequence's samples do not depend on the rest of the batch.
+Randomness is keyed per sequence: each sequence carries its own key and the draw of its t-th
+generated token uses `fold_in(key, t)` (in every method: a speculative round draws at each tree node
+with the key of the token that node's draw is for), so a sequence's samples do not depend on the
+rest of the batch, nor on the method.
 """
 
 from __future__ import annotations

@@ -97,23 +97,38 @@ class Acceptance(NamedTuple):
     bonus: jax.Array  # [B] the target's token at the last accepted node
 
 
-def accept(tree: Tree, logits: jax.Array, keys: jax.Array, sampling: Sampling, max_depth: int,
-           ancestors: jax.Array | None = None) -> Acceptance:
-    """Walk from the root: draw the target's token y at the current node (keyed by node index);
-    move to the valid child carrying y, else y is the bonus. logits `[B, N, V]`, keys `[B]`,
-    max_depth: the deepest node a builder can make (paths hold at most max_depth + 1 nodes);
-    ancestors: `tree.ancestors()` when already made."""
-    return walk_choices(tree, node_choices(logits, keys, sampling), max_depth, ancestors)
+def accept(tree: Tree, logits: jax.Array, keys: jax.Array, first_step: jax.Array, sampling: Sampling,
+           max_depth: int, ancestors: jax.Array | None = None) -> Acceptance:
+    """Walk from the root: draw the target's token y at the current node; move to the valid child
+    carrying y, else y is the bonus. logits `[B, N, V]`, keys `[B]` (one per sequence), first_step
+    `[B]`: the index among the sequence's generated tokens of the token drawn at the root (see
+    `node_steps`); max_depth: the deepest node a builder can make (paths hold at most max_depth + 1
+    nodes); ancestors: `tree.ancestors()` when already made."""
+    return walk_choices(tree, tree_choices(tree, logits, keys, first_step, sampling), max_depth, ancestors)
 
 
-def node_choices(logits: jax.Array, keys: jax.Array, sampling: Sampling) -> jax.Array:
+def node_steps(tree: Tree, first_step: jax.Array) -> jax.Array:
+    """`[B, N]`: the index among its sequence's generated tokens of the token each node's draw is for,
+    `first_step + depth`. `ar` keys the draw of generated token t with `fold_in(key, t)` too, so every
+    method samples exactly `ar`'s tokens for a seed: the accepted path uses each step's key once, for
+    the token emitted there, and draws on other branches are never emitted."""
+    return first_step[:, None] + tree.depth
+
+
+def tree_choices(tree: Tree, logits: jax.Array, keys: jax.Array | None, first_step: jax.Array | None,
+                 sampling: Sampling) -> jax.Array:
+    """`node_choices` keyed by `node_steps(tree, first_step)` (greedy needs neither keys nor steps)."""
+    return node_choices(logits, keys, None if sampling.greedy else node_steps(tree, first_step), sampling)
+
+
+def node_choices(logits: jax.Array, keys: jax.Array, steps: jax.Array, sampling: Sampling) -> jax.Array:
     """The token the target draws at every node, `[B, N]`: its argmax, or a sample of the filtered
-    distribution keyed by node index (what the walk reads, and the acceptance kernel too)."""
+    distribution keyed by `steps [B, N]` (`node_steps`) - what the walk reads, and the acceptance
+    kernel too."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    nodes = jnp.arange(logits.shape[1])
-    return jax.vmap(lambda node_logits, n: select(node_logits, keys, n, sampling), in_axes=(1, 0), out_axes=1)(
-        logits, nodes)
+    return jax.vmap(lambda node_logits, step: select(node_logits, keys, step, sampling), in_axes=(1, 1), out_axes=1)(
+        logits, steps)
 
 
 def walk_choices(tree: Tree, choice: jax.Array, max_depth: int, ancestors: jax.Array | None = None) -> Acceptance:
@@ -137,13 +152,13 @@ def walk_choices(tree: Tree, choice: jax.Array, max_depth: int, ancestors: jax.A
 
 
 def accept_and_move(tree: Tree, logits: jax.Array | None, cache: KVCache, keys: jax.Array | None,
-                    sampling: Sampling, max_depth: int, choice: jax.Array | None = None,
-                    ancestors: jax.Array | None = None) -> tuple[Acceptance, KVCache]:
+                    first_step: jax.Array | None, sampling: Sampling, max_depth: int,
+                    choice: jax.Array | None = None, ancestors: jax.Array | None = None) -> tuple[Acceptance, KVCache]:
     """`accept`, and the accepted nodes' K/V moved to `[len, len + length)` (lengths unchanged: the
     caller advances them by what it emits). With kernels on, one Pallas walk + in-place commit.
     choice `[B, N]`: the per-node target tokens (`node_choices`) when already known; then `logits`
-    and `keys` are unused. ancestors: `tree.ancestors()` when already made (the XLA walk reads it)."""
-    choice = node_choices(logits, keys, sampling) if choice is None else choice
+    `keys` and `first_step` are unused. ancestors: `tree.ancestors()` when already made (the XLA walk reads it)."""
+    choice = tree_choices(tree, logits, keys, first_step, sampling) if choice is None else choice
     if kernels_enabled("accept_commit"):
         from weaver_jax.pallas_kernels import interpret
         from weaver_jax.pallas_kernels.accept_commit import accept_commit
@@ -222,9 +237,11 @@ class _Parts(NamedTuple):
     layer_ids: tuple[int, ...]
     hidden_ids: tuple[int, ...]
     depth: int
+    exact: bool  # the target's row-invariant forward (`Transformer.__call__`)
 
 
-def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method, options):
+def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method, options,
+           exact):
     target = nnx.merge(graphdef, params)
     drafter = nnx.merge(drafter_graphdef, drafter_params)
     layer_ids = tuple(drafter.config.target_layer_ids)
@@ -235,7 +252,7 @@ def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, a
     # "weaver" also needs the target's final normed state at the node that produced the root
     hidden_ids = layer_ids + ((target.config.num_layers - 1,) if method == "weaver" else ())
     options = dict(options)
-    return _Parts(target, drafter, adapter, tables, method, options, layer_ids, hidden_ids, options["depth"])
+    return _Parts(target, drafter, adapter, tables, method, options, layer_ids, hidden_ids, options["depth"], exact)
 
 
 def _final_state(p: _Parts, hidden, index):  # [B, T, D] last-layer outputs, index [B] -> [B, D] normed
@@ -246,7 +263,8 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
              max_new_tokens) -> SpecState:
     b, t = prompts.shape
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    out = p.target(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None], hidden_layers=p.hidden_ids)
+    out = p.target(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None], hidden_layers=p.hidden_ids,
+                   exact=p.exact)
     drafter_cache = p.drafter.commit(drafter_cache, out.hidden[: len(p.layer_ids)], positions, prompt_lengths)
     cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
     first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
@@ -279,7 +297,7 @@ def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, jax.Array, Forwa
         ancestors = tree.ancestors(p.depth)
     with jax.named_scope("verify"):
         verify = p.target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, ancestors,
-                          hidden_layers=p.hidden_ids)
+                          hidden_layers=p.hidden_ids, exact=p.exact)
     return tree, ancestors, verify
 
 
@@ -290,8 +308,8 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     active = ~s.done
     tree, ancestors, verify = _propose_and_verify(p, s)
     with jax.named_scope("accept"):
-        round_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(s.rounds + 1, (b,)))
-        acc, moved = accept_and_move(tree, verify.logits, verify.cache, round_keys, sampling, p.depth,
+        # the root's draw is for generated token num_tokens: the same keys as `ar` (node_steps)
+        acc, moved = accept_and_move(tree, verify.logits, verify.cache, keys, s.num_tokens, sampling, p.depth,
                                      ancestors=ancestors)
     path = acc.path
 
@@ -323,23 +341,24 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
 
 
 _STATIC = ("graphdef", "drafter_graphdef", "adapter_graphdef", "method", "options", "max_new_tokens", "sampling",
-           "eos_ids", "kernels")
+           "eos_ids", "kernels", "exact")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "drafter_cache"))
 def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
                   adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                   options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-                  eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = ()) -> SpecOutput:
+                  eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (), exact: bool = False) -> SpecOutput:
     """Speculative counterpart of `ar_generate` (same prompt, cache and key conventions).
 
     options: the static method options as a sorted tuple of (name, value) (`tree_options`). The
     target cache needs `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens +
     block_size`. "weaver" also takes the adapter's params and graphdef. kernels: the Pallas kernels to
-    use (`weaver_jax.pallas_kernels.KERNELS` names)."""
+    use (`weaver_jax.pallas_kernels.KERNELS` names). exact: the target's row-invariant forward, which
+    makes the output bitwise `ar_generate(..., exact=True)`'s in any dtype."""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
-                   options)
+                   options, exact)
         state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
                                    lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0], state)
@@ -351,12 +370,13 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
 def spec_first_round(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
                      adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                      options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-                     eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = ()) -> tuple[Tree, Acceptance]:
+                     eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (),
+                     exact: bool = False) -> tuple[Tree, Acceptance]:
     """The prefill and the first round of `spec_generate` (same arguments), for looking inside:
     -> (the proposal tree `[B, N]`, its acceptance: path `[B, K + 1]` of node indices, root first)."""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
-                   options)
+                   options, exact)
         state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
         _, tree, acc = _round(p, state, keys, sampling, eos_ids, max_new_tokens)
     return tree, acc

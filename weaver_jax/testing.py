@@ -50,3 +50,50 @@ def random_bundle(seed: int = 0, *, eos_token_ids: tuple[int, ...] = (), drafter
         draft = Drafter(dconfig, rngs=nnx.Rngs(seed + 7))
         adapt = Adapter(random_adapter_config(target.config, depth=block_size - 1), rngs=nnx.Rngs(seed + 11))
     return Bundle(target, drafter=draft, adapter=adapt, eos_token_ids=tuple(eos_token_ids), name=f"random-{seed}")
+
+
+def float32_copy(target: Transformer) -> Transformer:
+    """The same target with float32 weights (a reference for a bfloat16 one's rounding)."""
+    import dataclasses
+
+    from weaver_jax._model import module_params, target_from_params
+
+    return target_from_params(dataclasses.replace(target.config, dtype="float32"), module_params(target))
+
+
+def rounding_explanation(target: Transformer, reference: Transformer, prompt: list[int], ar: list[int],
+                         other: list[int]) -> dict:
+    """Why `other` (a speculative method's greedy tokens) leaves `ar`'s for `prompt`, if rounding.
+
+    At the first differing token i, the float32 `reference` gives the logits l32 after prompt + ar[:i],
+    and delta is the largest |target - reference| logit difference there, `target` (bfloat16) run as a
+    prefill, several rows at once like a verification. A decode step and a tree both compute the
+    logits within about delta of l32, rounding in different orders, so their argmaxes can disagree only
+    between tokens whose float32 logits are within 2 delta: `explained` is |l32[ar[i]] - l32[other[i]]|
+    <= 2 delta. Also: `bf16_top_two_gap` of the target's logits there."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from weaver_jax._model import KVCache
+
+    i = next(j for j, (a, b) in enumerate(zip(ar + [-1], other + [-2], strict=False)) if a != b)
+    if i >= min(len(ar), len(other)):  # one stopped first (EOS or length) after equal tokens
+        return dict(first_difference=i, explained=False, note="lengths differ")
+    context = prompt + ar[:i]
+    width = -(-len(context) // 128) * 128  # few shapes: one compile per 128 tokens
+    ids = jnp.asarray(np.pad(context, (0, width - len(context)))[None], jnp.int32)
+
+    def logits(model):
+        out = model(ids, jnp.arange(width)[None], KVCache.init(model.config, 1, width),
+                    logits_rows=jnp.asarray([[len(context) - 1]]))
+        return np.asarray(out.logits[0, 0], np.float64)
+
+    with jax.default_matmul_precision("highest"):  # a GPU's float32 default rounds products through TF32
+        l32 = logits(reference)
+    l16 = logits(target)
+    delta = float(np.abs(l16 - l32).max())
+    gap = float(abs(l32[ar[i]] - l32[other[i]]))
+    top = np.sort(l16)[-2:]
+    return dict(first_difference=i, ar_token=ar[i], other_token=other[i], gap_float32=gap, delta=delta,
+                bf16_top_two_gap=float(top[1] - top[0]), explained=gap <= 2 * delta)

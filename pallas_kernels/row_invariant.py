@@ -1,0 +1,155 @@
+"""Row-invariant matrix products and attention: the target's exact mode.
+
+XLA picks a product's tiling (and split-K) from its shape, so a one-token decode step and a 64-node
+verification reduce the same row in different orders; in bfloat16 a near-tie between the top two
+logits then flips, and a speculative method stops matching `ar` token for token. These kernels fix
+each row's reduction order by what the row itself is, never by how many rows come with it:
+
+  matmul: x `[M, K]` times w (`[K, N]`, or `[N, K]` with `transpose_w`) in float32. One program per
+    (16-row block, 64 columns) accumulates K in 64-wide blocks, in order; M is padded to 16 rows, so
+    every row goes through the same program whatever M is (a decode step's single row included).
+  attention: one program per (sequence, token, query head) walks the positions `0 ..` its own in
+    64-wide blocks with an online softmax. The key at position p is read from slot p below the
+    committed length and, from there on, from the slot of the new token at that position on the
+    token's own path (`path [B, T, T]`, `weaver_jax._model.position_path`), so a decode step, a
+    prefill and a tree verification read the same keys in the same order (and as many blocks: those
+    up to its own position).
+
+The references are the plain XLA product and masked softmax: equal up to rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from weaver_jax._model import gqa_attention
+from weaver_jax.pallas_kernels import MASKED_SCORE
+from weaver_jax.pallas_kernels._call import pallas_call
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+BLOCK_P = 64  # positions per attention step
+
+
+def matmul_reference(x, w, *, transpose_w: bool = False):
+    return jnp.einsum("mk,nk->mn" if transpose_w else "mk,kn->mn", x, w, preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision):
+    """One (row block, column block): x_ref `[M_pad, K]`, w_ref the whole weight; K in BLOCK_K steps."""
+    rows = pl.ds(pl.program_id(0) * BLOCK_M, BLOCK_M)
+    columns = pl.ds(pl.program_id(1) * BLOCK_N, BLOCK_N)
+
+    def step(i, acc):
+        depth = pl.ds(i * BLOCK_K, BLOCK_K)
+        x = x_ref[rows, depth]
+        w = w_ref[columns, depth] if transpose_w else w_ref[depth, columns]
+        return acc + plgpu.dot(x, w, trans_b=transpose_w, precision=precision)
+
+    k = x_ref.shape[1]
+    o_ref[...] = jax.lax.fori_loop(0, k // BLOCK_K, step, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
+
+
+def _pad_to(a, axis: int, multiple: int):
+    extra = -a.shape[axis] % multiple
+    if not extra:
+        return a
+    return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_w", "interpret", "poison"))
+def matmul(x, w, *, transpose_w: bool = False, interpret: bool = False, poison: bool = False):
+    """x `[..., K]` @ w `[K, N]` (transpose_w: w `[N, K]`) -> `[..., N]` float32, each row's value
+    independent of the other rows (see the module docstring). float32 operands multiply at full
+    precision. A K or N that is not a multiple of 64 pads the weight with zeros on every call
+    (exact: a zero product changes no sum), which costs a copy: real models' widths need none."""
+    *lead, k = x.shape
+    n, w_k = (w.shape[0], w.shape[1]) if transpose_w else (w.shape[1], w.shape[0])
+    if w_k != k:
+        raise ValueError(f"x has {k} columns but the weight's inner dimension is {w_k}")
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    rows = _pad_to(_pad_to(rows, 0, BLOCK_M), 1, BLOCK_K)
+    w = _pad_to(_pad_to(w, 1 if transpose_w else 0, BLOCK_K), 0 if transpose_w else 1, BLOCK_N)
+    m_pad, n_pad = rows.shape[0], w.shape[0] if transpose_w else w.shape[1]
+    precision = jax.lax.Precision.HIGHEST if jnp.promote_types(x.dtype, w.dtype) == jnp.float32 else None
+    out = pallas_call(
+        functools.partial(_matmul_kernel, transpose_w=transpose_w, precision=precision), [rows, w],
+        grid=(m_pad // BLOCK_M, n_pad // BLOCK_N), in_specs=[pl.BlockSpec(), pl.BlockSpec()],
+        out_specs=pl.BlockSpec((BLOCK_M, BLOCK_N), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), jnp.float32),
+        name="row_invariant_matmul", num_warps=4, num_stages=2, interpret=interpret, poison=poison)
+    return out[:m, :n].reshape(*lead, n)
+
+
+def attention_reference(q, k_cache, v_cache, positions, lengths, path):
+    """The same attention as a masked softmax over all S slots: q `[B, T, H, D]`, cache `[B, S, H_kv, D]`."""
+    b, t, h, d = q.shape
+    kv = k_cache.shape[2]
+    seen = jnp.zeros((b, t, k_cache.shape[1]), bool).at[
+        jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
+        jnp.where(path >= 0, lengths[:, None, None] + path, k_cache.shape[1])].set(True, mode="drop")
+    mask = seen | (jnp.arange(k_cache.shape[1])[None, None, :] < lengths[:, None, None])
+    return gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask).reshape(b, t, h, d)
+
+
+def _attention_kernel(len_ref, pos_ref, path_ref, q_ref, k_ref, v_ref, o_ref, *, group: int, scale: float):
+    """One (sequence, token, query head): q_ref `[D]`, k_ref / v_ref `[S, H_kv, D]`, path_ref `[T]`."""
+    length, position = len_ref[...], pos_ref[...]
+    d, new = q_ref.shape[0], path_ref.shape[0]
+    head = pl.program_id(2) // group
+    q = q_ref[...].astype(jnp.float32)
+
+    def step(i, carry):
+        o, m, total = carry
+        at = i * BLOCK_P + jnp.arange(BLOCK_P)  # positions
+        depth = at - length
+        on_path = (depth >= 0) & (depth < new)
+        node = plgpu.load(path_ref.at[jnp.clip(depth, 0, new - 1)], mask=on_path, other=-1)
+        visible = (at <= position) & ((depth < 0) | (node >= 0))
+        slots = jnp.where(depth < 0, at, length + node)
+        rows = (jnp.where(visible, slots, 0)[:, None], head, jnp.arange(d)[None, :])
+        mask = jnp.broadcast_to(visible[:, None], (BLOCK_P, d))
+        keys = plgpu.load(k_ref.at[rows], mask=mask, other=0).astype(jnp.float32)  # [P, D]
+        s = jnp.where(visible, jnp.sum(keys * q[None, :], axis=1) * scale, MASKED_SCORE)
+        m_new = jnp.maximum(m, jnp.max(s))
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        correction = jnp.exp(m - m_new)
+        values = plgpu.load(v_ref.at[rows], mask=mask, other=0).astype(jnp.float32)
+        return o * correction + jnp.sum(p[:, None] * values, axis=0), m_new, total * correction + jnp.sum(p)
+
+    init = jnp.zeros((d,), jnp.float32), jnp.float32(MASKED_SCORE), jnp.float32(0)
+    o, _, total = jax.lax.fori_loop(0, position // BLOCK_P + 1, step, init)
+    o_ref[...] = o / total
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "poison"))
+def attention(q, k_cache, v_cache, positions, lengths, path, *, interpret: bool = False, poison: bool = False):
+    """Attention of new tokens q `[B, T, H, D]` (after RoPE; their K/V already written at slots
+    `[lengths, lengths + T)` of k_cache / v_cache `[B, S, H_kv, D]`) over the committed prefix and
+    the new tokens on their path: positions `[B, T]`, lengths `[B]`, path `[B, T, T]`
+    (`weaver_jax._model.position_path`); D a power of two. -> `[B, T, H, D]` float32, each token's
+    value independent of the others."""
+    b, t, h, d = q.shape
+    kv = k_cache.shape[2]
+    if h % kv:
+        raise ValueError(f"{h} query heads do not group over {kv} K/V heads")
+    if d & (d - 1):
+        raise ValueError(f"head dim {d} must be a power of two")
+    if path.shape != (b, t, t):
+        raise ValueError(f"path must be [B, T, T] = {(b, t, t)}, got {path.shape}")
+    one = pl.BlockSpec((None, None, None, d), lambda i, j, k: (i, j, k, 0))
+    cache = pl.BlockSpec((None, k_cache.shape[1], kv, d), lambda i, j, k: (i, 0, 0, 0))
+    in_specs = [pl.BlockSpec((None,), lambda i, j, k: (i,)), pl.BlockSpec((None, None), lambda i, j, k: (i, j)),
+                pl.BlockSpec((None, None, t), lambda i, j, k: (i, j, 0)), one, cache, cache]
+    return pallas_call(
+        functools.partial(_attention_kernel, group=h // kv, scale=1 / math.sqrt(d)),
+        [lengths.astype(jnp.int32), positions.astype(jnp.int32), path.astype(jnp.int32), q, k_cache, v_cache],
+        grid=(b, t, h), in_specs=in_specs, out_specs=one, out_shape=jax.ShapeDtypeStruct((b, t, h, d), jnp.float32),
+        name="row_invariant_attention", num_warps=4, num_stages=1, interpret=interpret, poison=poison)

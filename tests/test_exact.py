@@ -1,0 +1,71 @@
+"""Exact mode in bfloat16: a token's logits do not depend on the tokens computed with it, so every
+speculative method's output, greedy or sampled with a seed, is bitwise `ar`'s (the default mode
+rounds a tree's rows differently from a decode step's, and a near-tie can flip)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import weaver_jax
+from weaver_jax import KVCache
+from weaver_jax.testing import random_bundle
+
+from .drafters import OracleDrafter
+from .test_pallas_row_invariant import random_tree
+
+
+def test_tree_logits_equal_the_prefill_of_each_path():
+    """A verified tree's logits at each node equal, bit for bit, the logits of a plain causal forward
+    over the prompt and that node's path; without exact mode they do not."""
+    rb = random_bundle(1, dtype="bfloat16", family="qwen3", tie_embeddings=True, drafter=False)
+    target, rng = rb.target, np.random.default_rng(0)
+    prompt = rng.integers(0, 128, 21)
+    paths = random_tree(rng, 12)
+    tokens = rng.integers(0, 128, len(paths))
+    depth = np.array([len(p) - 1 for p in paths])
+    attend = np.zeros((1, len(paths), len(paths)), bool)
+    for i, path in enumerate(paths):
+        attend[0, i, path] = True
+    width = len(prompt) + depth.max() + 1  # each path's prefill padded after its end: one batch of them
+    ids = np.zeros((len(paths), width), np.int32)
+    for i, path in enumerate(paths):
+        ids[i, : len(prompt) + len(path)] = np.concatenate([prompt, tokens[path]])
+
+    graphdef, params = nnx.split(target)
+
+    @functools.partial(jax.jit, static_argnames="exact")
+    def prefilled(params, prompt, tokens, positions, attend, ids, rows, exact):
+        model = nnx.merge(graphdef, params)
+        cache = model(prompt, jnp.arange(prompt.shape[1])[None], KVCache.init(rb.config, 1, 64), exact=exact).cache
+        cache = cache.with_lengths(jnp.full((1,), prompt.shape[1]))
+        tree = model(tokens, positions, cache, attend, exact=exact).logits[0]
+        alone = model(ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), KVCache.init(rb.config, *ids.shape),
+                      logits_rows=rows, exact=exact).logits[:, 0]
+        return tree, alone
+
+    args = (params, *map(jnp.asarray, (prompt[None], tokens[None], len(prompt) + depth[None], attend, ids,
+                                       (len(prompt) + depth)[:, None])))
+    tree, alone = prefilled(*args, exact=True)
+    np.testing.assert_array_equal(tree, alone)
+    tree, alone = prefilled(*args, exact=False)
+    assert np.any(tree != alone)  # the default mode's rounding depends on the rows: the test can tell
+
+
+@pytest.mark.parametrize("method,options", [("dflash", {}), ("ddtree", {"budget": 8}), ("weaver", {"budget": 8})])
+def test_exact_mode_is_bitwise_autoregressive(method, options):
+    """bfloat16, ragged batch: greedy output, and for Weaver seeded sampled output, token for token `ar`'s."""
+    rb = random_bundle(3, dtype="bfloat16", block_size=4, num_layers=1)
+    bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4, corrupt=True),
+                               adapter=rb.adapter)
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3]]
+    samplings = [{}, dict(temperature=0.8, top_k=20, seed=[2, 7, 1])] if method == "weaver" else [{}]
+    for sampling in samplings:
+        ar = weaver_jax.generate(bundle, prompts, max_new_tokens=16, eos_token_id=[], exact=True, **sampling)
+        spec = weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=16, eos_token_id=[], exact=True,
+                                   **sampling, **options)
+        assert spec.tokens == ar.tokens, sampling
+        assert spec.stats["mean_accepted_length"] > 1.2, spec.stats  # paths past the root were verified

@@ -1,0 +1,106 @@
+"""Exact mode's row-invariant kernels (interpret mode on a CPU, compiled on a GPU): the product and the attention equal
+their XLA references on fresh random inputs (outputs poisoned, so unwritten elements fail), and a
+row's value is bitwise the same whatever rows come with it: the product one row at a time or
+shuffled, a tree node's attention against the same node decoded alone after its committed path.
+Both kernels lower for CUDA (Triton) at the library's shapes."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from weaver_jax._model import position_path
+from weaver_jax.pallas_kernels import interpret
+from weaver_jax.pallas_kernels.row_invariant import attention, attention_reference, matmul, matmul_reference
+
+from .cuda import lower_for_cuda
+
+
+def fresh_rng():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("m,k,n,transpose_w,dtype", [
+    (37, 96, 80, False, jnp.bfloat16),  # K and N padded, M not a multiple of 16
+    (1, 64, 64, False, jnp.float32),
+    (20, 128, 192, True, jnp.bfloat16),  # the tied LM head's layout
+])
+def test_matmul_matches_reference_and_is_row_invariant(m, k, n, transpose_w, dtype):
+    seed, rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)
+    out = matmul(x, w, transpose_w=transpose_w, interpret=interpret(), poison=True)
+    np.testing.assert_allclose(out, matmul_reference(x, w, transpose_w=transpose_w), rtol=1e-5, atol=1e-4,
+                               err_msg=f"seed {seed}")
+    for i in sorted({0, m // 2, m - 1}):  # alone: a decode step's single row
+        np.testing.assert_array_equal(matmul(x[i:i + 1], w, transpose_w=transpose_w, interpret=interpret())[0], out[i],
+                                      err_msg=f"seed {seed}, row {i}")
+    order = rng.permutation(m)  # every row in another tile position
+    np.testing.assert_array_equal(matmul(x[order], w, transpose_w=transpose_w, interpret=interpret()), out[order],
+                                  err_msg=f"seed {seed}")
+
+
+def random_tree(rng, nodes: int):
+    """parent `[N]` (node 0 the root, parents first) and each node's path, root first."""
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, nodes)]
+    paths = []
+    for i in range(nodes):
+        path = [i]
+        while parent[path[-1]] >= 0:
+            path.append(parent[path[-1]])
+        paths.append(path[::-1])
+    return paths
+
+
+@pytest.mark.parametrize("b,n,h,kv,d,prefix,dtype", [
+    (2, 13, 4, 2, 16, (0, 70), jnp.bfloat16),  # an empty prefix; positions across a 64-block boundary
+    (1, 1, 3, 3, 32, (5,), jnp.float32),  # one node
+    (1, 24, 8, 2, 16, (100,), jnp.bfloat16),
+])
+def test_attention_matches_reference_and_is_row_invariant(b, n, h, kv, d, prefix, dtype):
+    seed, rng = fresh_rng()
+    s = max(prefix) + n + 3
+    q = jnp.asarray(rng.standard_normal((b, n, h, d)), dtype)
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype) for _ in range(2))
+    lengths = jnp.asarray(prefix, jnp.int32)
+    paths = [random_tree(rng, n) for _ in range(b)]
+    depth = np.array([[len(p) - 1 for p in tree] for tree in paths])
+    attend = np.zeros((b, n, n), bool)
+    for r, tree in enumerate(paths):
+        for i, path in enumerate(tree):
+            attend[r, i, path] = True
+    positions = lengths[:, None] + jnp.asarray(depth)
+    path = position_path(positions, lengths, jnp.asarray(attend))
+    out = attention(q, k_cache, v_cache, positions, lengths, path, interpret=interpret(), poison=True)
+    tol = 2e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(out, attention_reference(q, k_cache, v_cache, positions, lengths, path), atol=tol,
+                               rtol=tol, err_msg=f"seed {seed}")
+    for r in range(b):  # the deepest node and one other, decoded alone after its path was committed
+        for i in sorted({int(np.argmax(depth[r])), n - 1}):
+            slots = int(lengths[r]) + np.array(paths[r][i])
+            committed = [c.at[r, int(lengths[r]):int(lengths[r]) + len(slots)].set(c[r, slots]) for c in (k_cache,
+                                                                                                        v_cache)]
+            alone = attention(q[r:r + 1, i:i + 1], committed[0][r:r + 1], committed[1][r:r + 1],
+                              positions[r:r + 1, i:i + 1], jnp.asarray([int(positions[r, i])]),
+                              jnp.zeros((1, 1, 1), jnp.int32), interpret=interpret())
+            np.testing.assert_array_equal(alone[0, 0], out[r, i], err_msg=f"seed {seed}, sequence {r}, node {i}")
+
+
+MATMUL_SHAPES = [(1, 576, 960, False), (25, 1536, 576, False), (1, 576, 49152, True), (65, 4096, 12288, False)]
+
+
+@pytest.mark.parametrize("m,k,n,transpose_w", MATMUL_SHAPES)  # SmolLM2's qkv, MLP-down and tied head; Qwen3-8B's qkv
+def test_matmul_lowers_for_cuda(m, k, n, transpose_w):
+    lower_for_cuda(matmul, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((n, k) if transpose_w else (k, n), jnp.bfloat16), transpose_w=transpose_w)
+
+
+@pytest.mark.parametrize("b,t,h,kv,d,s", [(1, 1, 9, 3, 64, 2048), (8, 25, 9, 3, 64, 512), (1, 65, 32, 8, 128, 1536)])
+def test_attention_lowers_for_cuda(b, t, h, kv, d, s):
+    lower_for_cuda(attention, jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16),
+                   *(jax.ShapeDtypeStruct((b, s, kv, d), jnp.bfloat16) for _ in range(2)),
+                   jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+                   jax.ShapeDtypeStruct((b, t, t), jnp.int32))
