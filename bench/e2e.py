@@ -9,10 +9,11 @@ AlpacaEval; `weaver-jax train-prompts`), chat-templated, every one padded to the
 (`generate(pad_to=...)`) so each configuration compiles once. At batch B the prompts go in groups of
 B in a fixed order; EOS on, `--max-new-tokens` each. Every configuration is compiled (and run once)
 first, concurrently; then each is timed in turn: tokens/s = new tokens / seconds summed over its
-`generate` calls (compile excluded), τ pooled over all prompts, and (temperature 0) the share of
-prompts whose tokens equal `ar`'s. A configuration is `method` or `method:option=value,...`
-(generate's method options), optionally ending in `@all` / `@xla` (every Pallas kernel / none,
-instead of the library's default selection).
+`generate` calls (compile excluded), τ pooled over all prompts, and the share of prompts whose tokens
+equal those of `ar` with the same `exact` setting and seeds (`same_as_ar`; at T > 0 too: sampling is
+seed-identical). A configuration is `method` or `method:option=value,...` (generate's method options,
+and `exact=1` for exact mode), optionally ending in `@all` / `@xla` (every Pallas kernel / none,
+instead of the library's default selection). `vs_ar` is always against plain `ar`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def parse_config(text: str) -> tuple[str, dict, tuple[str, ...] | None]:
     options = {}
     for item in filter(None, rest.split(",")):
         name, _, value = item.partition("=")
-        options[name] = int(value)
+        options[name] = bool(int(value)) if name == "exact" else int(value)
     selection = {"": None, "all": KERNELS, "xla": ()}
     if kernels not in selection:
         raise ValueError(f"unknown kernel selection @{kernels} (use @all or @xla)")
@@ -101,11 +102,15 @@ def main():
     rows, base, ar_texts = [], {}, {}
     for config, batch, temperature in jobs:
         row, texts = run(bundle, prompts, config, batch, temperature, args)
+        method, options, _ = parse_config(config)
+        mode = batch, temperature, options.get("exact", False)
         if config == "ar":
-            base[batch, temperature], ar_texts[batch, temperature] = row["tokens_per_second"], texts
+            base[batch, temperature] = row["tokens_per_second"]
+        if method == "ar" and mode not in ar_texts:
+            ar_texts[mode] = texts
         row["vs_ar"] = row["tokens_per_second"] / base[batch, temperature]
-        if temperature == 0:
-            same = [a == b for a, b in zip(texts, ar_texts[batch, temperature], strict=True)]
+        if mode in ar_texts:
+            same = [a == b for a, b in zip(texts, ar_texts[mode], strict=True)]
             row["same_as_ar"] = sum(same) / len(same)
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -16,6 +16,8 @@
 #                                                 # generate, 48 held-out prompts (carry .stage/eval/eval_prompts.json;
 #                                                 # E2E_ARGS: more e2e.py options, E2E_LABEL: a suffix for its JSON)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
+#   bash bench/gpu_train.sh agreement "dflash weaver"                  # bench/agreement.py: same tokens as ar,
+#                                                 # default mode and exact=1, differences explained (AGREE_PER_SET)
 #
 # Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`. Chain
 # them in one invocation: the stages' time limits count from the script's start ($SECONDS), so a
@@ -108,6 +110,12 @@ while [ $# -gt 0 ]; do
         --eval-prompts .stage/eval/eval_prompts.json --batch $2 --temperatures $3 --config $4 ${E2E_ARGS:-} \
         --json "$OUT/e2e_$(echo "$2_$3" | tr ' .' '-p')${E2E_LABEL:-}.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 4 ;;
+    agreement)  # agreement CONFIGS: bench/agreement.py, default mode and exact, differences explained
+      need_gguf
+      timeout $((570 - SECONDS)) python3 bench/agreement.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
+        --eval-prompts .stage/eval/eval_prompts.json --per-set ${AGREE_PER_SET:-8} --config $2 \
+        --json "$OUT/agreement.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
+      shift 2 ;;
     profile)  # profile BATCH CONFIGS
       need_gguf
       timeout $((570 - SECONDS)) python3 bench/round_profile.py --model "$GGUF" --drafter "$DRAFTER" \
