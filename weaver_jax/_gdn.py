@@ -1,0 +1,154 @@
+"""Gated DeltaNet (GDN) layers' recurrence for hybrid targets (Qwen3.5 / Qwen3-Next), with
+rollback-free tree verification (DESIGN 3.6).
+
+The gated delta rule per value head, state S `[d_k, d_v]`, token t with key k (L2-normalised), query q
+(L2-normalised and scaled), value v, log-decay g <= 0 and write strength beta in (0, 1):
+    S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  output q^T S.
+Value heads share key heads: value head h reads key head h // (H_v / H_k).
+
+Along any path from a committed state H0, with prefix_i the sum of g over node i's ancestors-or-self,
+every node's u solves one unit lower-triangular system and its output is a sum over its path:
+    u_i + sum_{j strict ancestor} beta_i exp(prefix_i - prefix_j) (k_i . k_j) u_j
+        = beta_i (v_i - exp(prefix_i) H0^T k_i)
+    o_i = exp(prefix_i) q_i^T H0 + sum_{j ancestor-or-self} exp(prefix_i - prefix_j) (q_i . k_j) u_j
+so a whole tree (parents before children) is verified in one pass that writes no per-node state, and
+only the accepted path is folded into H0 afterwards (`fold`). A chain is a tree: chunked prefill runs
+the same form chunk by chunk (`gated_delta_chunked`). Only ratios exp(prefix_i - prefix_j) along a path
+appear, never a division by a small cumulative decay.
+
+The causal depthwise conv before the rule reads, for each node, its own path's inputs and then the
+committed conv state (`conv_tree`).
+
+Shapes: q, k `[B, T, H_k, d_k]`, v `[B, T, H_v, d_v]`, g and beta `[B, T, H_v]`, state `[B, H_v, d_k, d_v]`
+float32, ancestors `[B, T, T]` bool (row i: node i's ancestors and itself).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TreeTerms(NamedTuple):
+    """What `fold` needs of a verified tree: the solved values and cumulative log-decays."""
+
+    u: jax.Array  # [B, H_v, T, d_v] float32
+    prefix: jax.Array  # [B, H_v, T] float32
+    k: jax.Array  # [B, H_v, T, d_k] float32 (each value head's key)
+
+
+def _per_value_head(q, k, v, g, beta):
+    """-> float32 q, k `[B, H_v, T, d_k]`, v `[B, H_v, T, d_v]`, g, beta `[B, H_v, T]`."""
+    repeat = v.shape[2] // k.shape[2]
+    if repeat * k.shape[2] != v.shape[2]:
+        raise ValueError(f"{v.shape[2]} value heads do not share {k.shape[2]} key heads evenly")
+
+    def heads(x):
+        return jnp.moveaxis(jnp.repeat(x.astype(jnp.float32), repeat, axis=2), 2, 1)
+
+    return heads(q), heads(k), jnp.moveaxis(v.astype(jnp.float32), 2, 1), *(
+        jnp.moveaxis(x.astype(jnp.float32), 2, 1) for x in (g, beta))
+
+
+def gated_delta_tree(q, k, v, g, beta, state, ancestors) -> tuple[jax.Array, TreeTerms]:
+    """Every node's output along its own root-to-node path from `state` (module docstring):
+    -> (outputs `[B, T, H_v, d_v]` float32, the terms `fold` reads)."""
+    q, k, v, g, beta = _per_value_head(q, k, v, g, beta)
+    t = q.shape[2]
+    own = ancestors.astype(jnp.float32)[:, None]  # [B, 1, T, T] ancestors-or-self
+    strict = own * (1 - jnp.eye(t))
+    prefix = jnp.einsum("bhij,bhj->bhi", own, g)  # [B, H, T]
+    # exp(prefix_i - prefix_j) where j is on i's path (<= 1 there: g <= 0), 0 elsewhere
+    ratio = jnp.where(own > 0, jnp.exp(jnp.minimum(prefix[..., :, None] - prefix[..., None, :], 0)), 0)
+    decay = jnp.exp(prefix)[..., None]  # [B, H, T, 1]
+    kk = jnp.einsum("bhid,bhjd->bhij", k, k, precision="highest")
+    system = jnp.eye(t) + beta[..., None] * ratio * strict * kk
+    rhs = beta[..., None] * (v - decay * jnp.einsum("bhid,bhde->bhie", k, state, precision="highest"))
+    u = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    qk = jnp.einsum("bhid,bhjd->bhij", q, k, precision="highest")
+    out = decay * jnp.einsum("bhid,bhde->bhie", q, state, precision="highest") + jnp.einsum(
+        "bhij,bhje->bhie", ratio * qk, u, precision="highest")
+    return jnp.moveaxis(out, 1, 2), TreeTerms(u, prefix, k)
+
+
+def fold(state, terms: TreeTerms, path) -> jax.Array:
+    """The state after the nodes of `path` `[B, T]` bool (one root-to-node path of the verified tree:
+    the accepted one; none: the state unchanged), rejected branches never touched:
+    S = exp(prefix_m) H0 + sum_{j on the path} exp(prefix_m - prefix_j) k_j u_j^T, m its last node."""
+    on = path[:, None]  # [B, 1, T]
+    # prefixes fall along a path (g <= 0): the last node's is the path's least (0 for an empty path)
+    last = jnp.min(jnp.where(on, terms.prefix, 0.0), axis=-1, keepdims=True)  # [B, H, 1]
+    weight = jnp.where(on, jnp.exp(jnp.minimum(last - terms.prefix, 0)), 0)  # [B, H, T]
+    return jnp.exp(last)[..., None] * state + jnp.einsum("bht,bhtd,bhte->bhde", weight, terms.k, terms.u,
+                                                          precision="highest")
+
+
+def chain(batch: int, t: int) -> jax.Array:
+    """The ancestors-or-self table of a chain of t tokens, `[B, t, t]`."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """Prefill: the rule over a whole sequence, `chunk` tokens at a time in the tree form (a chain),
+    the state folded after each chunk. -> (outputs `[B, T, H_v, d_v]` float32, the final state).
+    Padding to a whole chunk adds tokens that write nothing (beta 0) and decay nothing (g 0)."""
+    b, t = q.shape[:2]
+    pad = -t % chunk
+    q, k, v, g, beta = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) for x in (q, k, v, g, beta))
+    n = (t + pad) // chunk
+
+    def split(x):  # [B, n * chunk, ...] -> [n, B, chunk, ...]
+        return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+
+    whole = chain(b, chunk)
+
+    def step(s, xs):
+        out, terms = gated_delta_tree(*xs, s, whole)
+        return fold(s, terms, jnp.ones((b, chunk), bool)), out
+
+    state, out = jax.lax.scan(step, state.astype(jnp.float32), tuple(split(x) for x in (q, k, v, g, beta)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, *out.shape[3:])[:, :t], state
+
+
+def gated_delta_step(q, k, v, g, beta, state) -> tuple[jax.Array, jax.Array]:
+    """One decode token (T = 1) by the recurrence itself: -> (output `[B, 1, H_v, d_v]`, new state)."""
+    q, k, v, g, beta = (x[:, :, 0] for x in _per_value_head(q, k, v, g, beta))  # [B, H, ...]
+    s = jnp.exp(g)[..., None, None] * state
+    u = beta[..., None] * (v - jnp.einsum("bhd,bhde->bhe", k, s, precision="highest"))
+    s = s + k[..., :, None] * u[..., None, :]
+    return jnp.einsum("bhd,bhde->bhe", q, s, precision="highest")[:, None], s
+
+
+def conv_tree(x, conv_state, weight, path, depth, bias=None) -> jax.Array:
+    """The causal depthwise conv of width W (then SiLU) for every node: x `[B, T, C]` the nodes'
+    inputs, conv_state `[B, C, W - 1]` the committed inputs (oldest first), weight `[C, W]` (tap W - 1
+    multiplies the token itself), path `[B, T, T]` int32 (path[b, i, j]: the node at depth j on node
+    i's path, `weaver_jax._model.position_path`), depth `[B, T]`. Node i's window is its path's last
+    inputs, then the committed state's. -> `[B, T, C]` float32."""
+    width = weight.shape[1]
+    b, t, c = x.shape
+    x32, state32 = x.astype(jnp.float32), conv_state.astype(jnp.float32)
+    total = jnp.zeros((b, t, c), jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32),
+                                                                                    (b, t, c))
+    for back in range(width):  # tap width - 1 - back reads the input `back` steps back along the path
+        at = depth - back  # [B, T]: the depth read; < 0 reads the committed state
+        node = jnp.take_along_axis(path, jnp.clip(at, 0, t - 1)[..., None], axis=2)[..., 0]
+        from_tree = jnp.take_along_axis(x32, jnp.clip(node, 0, t - 1)[..., None], axis=1)
+        slot = jnp.clip(width - 1 + at, 0, width - 2)  # conv_state column for at < 0
+        from_state = jnp.take_along_axis(jnp.moveaxis(state32, 1, 2), slot[..., None], axis=1)
+        total = total + jnp.where((at >= 0)[..., None], from_tree, from_state) * weight[:, width - 1 - back].astype(
+            jnp.float32)
+    return jax.nn.silu(total)
+
+
+def fold_conv(conv_state, x, path_nodes, length) -> jax.Array:
+    """The conv state after the accepted path: its inputs x `[B, T, C]` at `path_nodes [B, P]` (root
+    first), the first `length [B]` of them, appended to `conv_state [B, C, W - 1]`, the last W - 1 kept."""
+    keep = conv_state.shape[2]
+    p = path_nodes.shape[1]
+    taken = jnp.moveaxis(jnp.take_along_axis(x, path_nodes[..., None], axis=1), 1, 2).astype(conv_state.dtype)
+    joined = jnp.concatenate([conv_state, taken], axis=2)  # [B, C, W - 1 + P]
+    start = length  # the last W - 1 of the first W - 1 + length columns
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, keep, axis=1))(joined, jnp.minimum(start, p))
