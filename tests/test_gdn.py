@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weaver_jax._gdn import (conv_tree, fold, fold_conv, gated_delta_chunked, gated_delta_step, gated_delta_tree)
+from weaver_jax._gdn import conv_tree, fold, fold_conv, gated_delta_chunked, gated_delta_step, gated_delta_tree
 from weaver_jax._model import position_path
 
 H_K, H_V, D_K, D_V, WIDTH, CHANNELS = 2, 4, 8, 6, 4, 5
