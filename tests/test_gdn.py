@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from weaver_jax._gdn import conv_tree, fold, fold_conv, gated_delta_chunked, gated_delta_step, gated_delta_tree
 from weaver_jax._model import position_path
 
+from .test_pallas_row_invariant import random_tree
+
 H_K, H_V, D_K, D_V, WIDTH, CHANNELS = 2, 4, 8, 6, 4, 5
 
 
@@ -70,13 +72,7 @@ def test_step_and_chunked_prefill_equal_the_recurrence():
 @given(st.integers(0, 2**31 - 1), st.integers(1, 12))
 def test_tree_nodes_equal_their_paths_and_folding_equals_decoding(seed, nodes):
     rng = np.random.default_rng(seed)
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, nodes)]
-    paths = []
-    for i in range(nodes):
-        p = [i]
-        while parent[p[-1]] >= 0:
-            p.append(parent[p[-1]])
-        paths.append(p[::-1])
+    paths = random_tree(rng, nodes)
     ancestors = np.zeros((1, nodes, nodes), bool)
     for i, p in enumerate(paths):
         ancestors[0, i, p] = True
