@@ -105,3 +105,67 @@ def test_tree_nodes_equal_their_paths_and_folding_equals_decoding(seed, nodes):
 
 
 _tree = jax.jit(gated_delta_tree)
+
+
+def layer_reference(layer, x, recurrent, conv):
+    """float64 NumPy, token by token, one sequence: the whole GDN layer. x [T, D], recurrent [H_v, d_k, d_v],
+    conv [C, W - 1] -> (outputs [T, D], recurrent state, conv state)."""
+    w = {name: np.asarray(getattr(layer, name)[...], np.float64) for name in
+         ("in_qkv", "in_z", "in_b", "in_a", "conv", "A_log", "dt_bias", "norm", "out")}
+    s, history = np.array(recurrent, np.float64), np.asarray(conv, np.float64).T  # history [W - 1, C]
+    key = H_K * D_K
+    ys = []
+    for xt in np.asarray(x, np.float64):
+        history = np.concatenate([history, (xt @ w["in_qkv"])[None]], 0)
+        z = (history[-WIDTH:] * w["conv"].T).sum(0)
+        mixed = z / (1 + np.exp(-z))
+        q = mixed[:key].reshape(H_K, D_K)
+        k = mixed[key:2 * key].reshape(H_K, D_K)
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(D_K)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+        v = mixed[2 * key:].reshape(H_V, D_V)
+        beta = 1 / (1 + np.exp(-(xt @ w["in_b"])))
+        g = -np.exp(w["A_log"]) * np.log1p(np.exp(xt @ w["in_a"] + w["dt_bias"]))
+        o, s = rule_reference(q[None], k[None], v[None], g[None], beta[None], s)
+        gate = (xt @ w["in_z"]).reshape(H_V, D_V)
+        o = o[0] / np.sqrt((o[0] ** 2).mean(-1, keepdims=True) + 1e-6) * w["norm"] * gate / (1 + np.exp(-gate))
+        ys.append(o.reshape(-1) @ w["out"])
+    return np.stack(ys), s, history[-(WIDTH - 1):].T
+
+
+def test_layer_prefill_tree_and_commit_equal_the_token_by_token_layer():
+    from flax import nnx
+
+    from weaver_jax._gdn import GatedDeltaNet, GDNState
+
+    layer = GatedDeltaNet(16, H_K, H_V, D_K, D_V, WIDTH, 1e-6, jnp.float32, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    x = np.float32(rng.standard_normal((2, 13, 16)))
+    state = GDNState(jnp.asarray(0.3 * rng.standard_normal((2, H_V, D_K, D_V)), jnp.float32),
+                     jnp.asarray(rng.standard_normal((2, 2 * H_K * D_K + H_V * D_V, WIDTH - 1)), jnp.float32))
+    lengths = np.array([13, 9])
+    out, after = layer.prefill(jnp.asarray(x), state, jnp.asarray(lengths), chunk=4)
+    for r in range(2):
+        ys, rec, conv = layer_reference(layer, x[r, : lengths[r]], state.recurrent[r], state.conv[r])
+        np.testing.assert_allclose(out[r, : lengths[r]], ys, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(after.recurrent[r], rec, rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(after.conv[r], conv, rtol=1e-6, atol=1e-6)
+
+    paths = random_tree(rng, 9)  # a tree after the prefilled state: each node as its path decoded
+    ancestors = np.zeros((1, 9, 9), bool)
+    for i, p in enumerate(paths):
+        ancestors[0, i, p] = True
+    depth = np.array([[len(p) - 1 for p in paths]])
+    nodes = np.float32(rng.standard_normal((1, 9, 16)))
+    committed = GDNState(after.recurrent[:1], after.conv[:1])
+    out, pending = layer(jnp.asarray(nodes), committed, jnp.asarray(depth), jnp.asarray(ancestors))
+    for i, p in enumerate(paths):
+        ys, _, _ = layer_reference(layer, nodes[0, p], committed.recurrent[0], committed.conv[0])
+        np.testing.assert_allclose(out[0, i], ys[-1], rtol=2e-4, atol=2e-4, err_msg=f"node {i}")
+    accepted = paths[int(np.argmax(depth[0]))]
+    path_nodes = np.zeros((1, 9), np.int32)
+    path_nodes[0, : len(accepted)] = accepted
+    new = layer.commit(committed, pending, jnp.asarray(path_nodes), jnp.asarray([len(accepted)]))
+    _, rec, conv = layer_reference(layer, nodes[0, accepted], committed.recurrent[0], committed.conv[0])
+    np.testing.assert_allclose(new.recurrent[0], rec, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(new.conv[0], conv, rtol=1e-6, atol=1e-6)

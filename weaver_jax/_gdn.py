@@ -17,7 +17,8 @@ the same form chunk by chunk (`gated_delta_chunked`). Only ratios exp(prefix_i -
 appear, never a division by a small cumulative decay.
 
 The causal depthwise conv before the rule reads, for each node, its own path's inputs and then the
-committed conv state (`conv_tree`).
+committed conv state (`conv_tree`). `GatedDeltaNet` is the Qwen3.5 layer around both: `prefill`
+(ragged, committed at once), a tree forward that touches no state, and `commit` of the accepted path.
 
 Shapes: q, k `[B, T, H_k, d_k]`, v `[B, T, H_v, d_v]`, g and beta `[B, T, H_v]`, state `[B, H_v, d_k, d_v]`
 float32, ancestors `[B, T, T]` bool (row i: node i's ancestors and itself).
@@ -29,6 +30,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 class TreeTerms(NamedTuple):
@@ -152,3 +154,110 @@ def fold_conv(conv_state, x, path_nodes, length) -> jax.Array:
     joined = jnp.concatenate([conv_state, taken], axis=2)  # [B, C, W - 1 + P]
     start = length  # the last W - 1 of the first W - 1 + length columns
     return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, keep, axis=1))(joined, jnp.minimum(start, p))
+
+
+class GDNState(NamedTuple):
+    """A GDN layer's committed state: the rule's `[B, H_v, d_k, d_v]` (float32) and the conv's last
+    inputs `[B, C, W - 1]` (oldest first), C = 2 H_k d_k + H_v d_v."""
+
+    recurrent: jax.Array
+    conv: jax.Array
+
+
+class GDNPending(NamedTuple):
+    """What a tree forward leaves for `GatedDeltaNet.commit`: the tree terms and the conv inputs."""
+
+    terms: TreeTerms
+    conv_inputs: jax.Array  # [B, T, C]
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class GatedDeltaNet(nnx.Module):
+    """The Qwen3.5 linear-attention layer (Gated DeltaNet): projections to the mixed q / k / v, the
+    gate z and the write / decay inputs b, a; the causal depthwise conv (then SiLU) over the mixed
+    channels; L2-normalised q (scaled by d_k^-1/2) and k; beta = sigmoid(b), g = -exp(A_log) *
+    softplus(a + dt_bias); the gated delta rule; the gated RMSNorm rms(o) * weight * silu(z) per value
+    head; the output projection. Weights `[in, out]`; conv `[C, W]`."""
+
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_width: int, eps: float, dtype, *, rngs: nnx.Rngs):
+        from weaver_jax._model import _param
+
+        self.heads = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.eps = eps
+        key, value = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.in_qkv = _param(rngs, (hidden, 2 * key + value), dtype, hidden)
+        self.in_z = _param(rngs, (hidden, value), dtype, hidden)
+        self.in_b = _param(rngs, (hidden, num_v_heads), dtype, hidden)
+        self.in_a = _param(rngs, (hidden, num_v_heads), dtype, hidden)
+        self.conv = _param(rngs, (2 * key + value, conv_width), dtype, conv_width)
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(1.0, 16.0, num_v_heads)).astype(jnp.float32))
+        self.dt_bias = nnx.Param(jnp.ones((num_v_heads,), jnp.float32))
+        self.norm = nnx.Param(jnp.ones((head_v_dim,), dtype))
+        self.out = _param(rngs, (value, hidden), dtype, value)
+
+    def init_state(self, batch: int) -> GDNState:
+        h_k, h_v, d_k, d_v = self.heads
+        return GDNState(jnp.zeros((batch, h_v, d_k, d_v), jnp.float32),
+                        jnp.zeros((batch, self.conv.shape[0], self.conv.shape[1] - 1), self.conv.dtype))
+
+    def _inputs(self, x, mixed_conv):
+        """-> q, k `[B, T, H_k, d_k]` (normalised, q scaled), v `[B, T, H_v, d_v]`, g, beta `[B, T, H_v]`."""
+        h_k, h_v, d_k, d_v = self.heads
+        b, t, _ = x.shape
+        key = h_k * d_k
+        q = l2_normalize(mixed_conv[..., :key].reshape(b, t, h_k, d_k)) * d_k ** -0.5
+        k = l2_normalize(mixed_conv[..., key:2 * key].reshape(b, t, h_k, d_k))
+        v = mixed_conv[..., 2 * key:].reshape(b, t, h_v, d_v)
+        beta = jax.nn.sigmoid((x @ self.in_b[...]).astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus((x @ self.in_a[...]).astype(jnp.float32) + self.dt_bias[...])
+        return q, k, v, g, beta
+
+    def _output(self, x, o):
+        """The gated RMSNorm per value head and the output projection: o `[B, T, H_v, d_v]` -> `[B, T, D]`."""
+        b, t, h_v, d_v = o.shape
+        z = (x @ self.in_z[...]).astype(jnp.float32).reshape(b, t, h_v, d_v)
+        o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps) * self.norm[...].astype(
+            jnp.float32) * jax.nn.silu(z)
+        return o.reshape(b, t, h_v * d_v).astype(x.dtype) @ self.out[...]
+
+    def prefill(self, x, state: GDNState, lengths, chunk: int = 64) -> tuple[jax.Array, GDNState]:
+        """A right-padded sequence `[B, T, D]` after the committed state, its first `lengths [B]` tokens
+        committed (padding writes nothing: beta and g are zeroed there): -> (`[B, T, D]`, the new state)."""
+        b, t, _ = x.shape
+        width = self.conv.shape[1]
+        mixed = x @ self.in_qkv[...]
+        seq = jnp.concatenate([jnp.moveaxis(state.conv, 1, 2).astype(mixed.dtype), mixed], axis=1)  # [B, W-1+T, C]
+        z = sum(seq[:, tap:tap + t].astype(jnp.float32) * self.conv[:, tap].astype(jnp.float32) for tap in range(width))
+        q, k, v, g, beta = self._inputs(x, jax.nn.silu(z))
+        real = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]
+        o, recurrent = gated_delta_chunked(q, k, v, jnp.where(real, g, 0), jnp.where(real, beta, 0), state.recurrent,
+                                           chunk)
+        conv = fold_conv(state.conv, mixed, jnp.broadcast_to(jnp.arange(t), (b, t)), lengths)
+        return self._output(x, o), GDNState(recurrent, conv)
+
+    def __call__(self, x, state: GDNState, depth, ancestors) -> tuple[jax.Array, GDNPending]:
+        """Tree verification (a decode step is a tree of one node): x `[B, T, D]`, depth `[B, T]` past
+        the committed state, ancestors `[B, T, T]` bool (ancestors-or-self). Every node's output along
+        its own path; the state is not touched. -> (`[B, T, D]`, what `commit` folds)."""
+        from weaver_jax._model import position_path
+
+        b = x.shape[0]
+        mixed = x @ self.in_qkv[...]
+        path = position_path(depth, jnp.zeros((b,), jnp.int32), ancestors)
+        q, k, v, g, beta = self._inputs(x, conv_tree(mixed, state.conv, self.conv[...], path, depth))
+        o, terms = gated_delta_tree(q, k, v, g, beta, state.recurrent, ancestors)
+        return self._output(x, o), GDNPending(terms, mixed)
+
+    def commit(self, state: GDNState, pending: GDNPending, path_nodes, length) -> GDNState:
+        """Fold the accepted path, node indices `path_nodes [B, P]` root first, its first `length [B]`
+        (0: nothing), into the state; rejected branches never touch it."""
+        t = pending.conv_inputs.shape[1]
+        on = jnp.any((path_nodes[:, :, None] == jnp.arange(t)) & (jnp.arange(path_nodes.shape[1])[None, :, None]
+                                                                  < length[:, None, None]), axis=1)  # [B, T]
+        return GDNState(fold(state.recurrent, pending.terms, on),
+                        fold_conv(state.conv, pending.conv_inputs, path_nodes, length))
