@@ -1,0 +1,51 @@
+"""Tree GDN verification: the Pallas kernel (interpret mode on a CPU, compiled on a GPU) equals
+`gated_delta_tree` on fresh random trees (outputs poisoned), and lowers for CUDA (Triton) at the
+Qwen3.5 GDN shape."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from weaver_jax.pallas_kernels import interpret
+from weaver_jax.pallas_kernels.tree_gdn import tree_gdn, tree_gdn_reference
+
+from .cuda import lower_for_cuda
+from .test_gdn import random_inputs
+from .test_pallas_row_invariant import random_tree
+
+
+@pytest.mark.parametrize("b,nodes", [(2, 1), (1, 13), (2, 20)])
+def test_kernel_matches_reference(b, nodes):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    q, k, v, g, beta, state = random_inputs(rng, b, nodes)
+    # strong couplings (A's entries near 1): a solve that stopped a level short would be far off
+    k = k + 2 * k[:, :1]
+    k = np.float32(k / np.linalg.norm(k, axis=-1, keepdims=True))
+    g, beta = np.float32(0.05 * g), np.float32(0.5 + 0.5 * beta)
+    ancestors = np.zeros((b, nodes, nodes), bool)
+    depth = 0
+    for r in range(b):
+        for i, path in enumerate(random_tree(rng, nodes)):
+            ancestors[r, i, path] = True
+            depth = max(depth, len(path) - 1)
+    # the kernel wants head dims of 16 or more: zero key and value features change nothing
+    q, k = (np.pad(x, [(0, 0)] * 3 + [(0, 16 - x.shape[-1])]) for x in (q, k))
+    v = np.pad(v, [(0, 0)] * 3 + [(0, 16 - v.shape[-1])])
+    state = np.pad(state, [(0, 0), (0, 0), (0, 16 - state.shape[2]), (0, 16 - state.shape[3])])
+    args = [jnp.asarray(x) for x in (q, k, v, g, beta, state, ancestors)]
+    out = tree_gdn(*args, levels=depth, interpret=interpret(), poison=True)
+    for got, want in zip(out, tree_gdn_reference(*args), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
+
+
+def test_lowers_for_cuda():  # Qwen3.5's GDN heads: 16 key / 32 value heads of 128, a 65-node tree
+    b, t = 1, 65
+    lower_for_cuda(tree_gdn, *(jax.ShapeDtypeStruct((b, t, 16, 128), jnp.bfloat16) for _ in range(2)),
+                   jax.ShapeDtypeStruct((b, t, 32, 128), jnp.bfloat16),
+                   *(jax.ShapeDtypeStruct((b, t, 32), jnp.float32) for _ in range(2)),
+                   jax.ShapeDtypeStruct((b, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((b, t, t), jnp.bool_),
+                   levels=16)
