@@ -15,6 +15,8 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
     one program can hold (`weaver_search.fits`).
   row_invariant: exact mode's matrix product and attention, whose value for a row does not depend on
     the other rows. Used by the target's forward with `exact=True`, whatever the selection below.
+  tree_gdn: a Gated DeltaNet layer's tree verification (every node along its own path, no per-node
+    state) for hybrid targets; not used by a model yet (issue 20).
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
 `WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off. By default, where jax's backend is a GPU,
