@@ -158,3 +158,84 @@ def load_hf_target(directory: str | Path, dtype: str = "float32", progress: bool
     config = config_from_hf(json.loads((directory / "config.json").read_text()), dtype)
     tensors = read_weights(directory, progress)
     return target_from_params(config, target_params_from_hf(config, tensors))
+
+
+HYBRID_FAMILIES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+
+
+def hybrid_config_from_hf(cfg: Mapping, dtype: str = "float32"):
+    """Translate a Qwen3.5 `config.json` dict (the text model's, or a multimodal one's `text_config`)
+    to a `HybridConfig`; `layer_types` as given, else full attention at every
+    `full_attention_interval`-th layer (transformers' default schedule)."""
+    from weaver_jax._hybrid import HybridConfig
+
+    text = cfg.get("text_config", cfg)
+    layers = text["num_hidden_layers"]
+    interval = text.get("full_attention_interval", 4)
+    types = tuple(text.get("layer_types") or ("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                              for i in range(layers)))
+    if len(types) != layers:
+        raise ValueError(f"layer_types lists {len(types)} layers for num_hidden_layers={layers}")
+    rope = text.get("rope_parameters") or {}
+    return HybridConfig(
+        vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], intermediate_size=text["intermediate_size"],
+        layer_types=types, num_heads=text["num_attention_heads"], num_kv_heads=text["num_key_value_heads"],
+        head_dim=text["head_dim"], linear_num_key_heads=text["linear_num_key_heads"],
+        linear_num_value_heads=text["linear_num_value_heads"], linear_key_head_dim=text["linear_key_head_dim"],
+        linear_value_head_dim=text["linear_value_head_dim"], linear_conv_kernel_dim=text["linear_conv_kernel_dim"],
+        partial_rotary_factor=float(text.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))),
+        rope_theta=float(text.get("rope_theta", rope.get("rope_theta", 10_000_000.0))),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))), dtype=dtype)
+
+
+def hybrid_params_from_hf(config, tensors: Mapping[str, np.ndarray], prefix: str = "model.") -> dict[str, np.ndarray]:
+    """Qwen3.5 tensor names -> `HybridTransformer`'s flat names (Linear weights transposed to `[in, out]`,
+    the conv's `[C, 1, W]` to `[C, W]`, gate and up fused). Raises on missing or unexpected tensors."""
+    get, used = tensor_getter(tensors)
+    out = {"embed": get(prefix + "embed_tokens.weight"), "final_norm": get(prefix + "norm.weight")}
+    if config.tie_embeddings:
+        used.add("lm_head.weight")
+    else:
+        out["lm_head"] = get("lm_head.weight").T
+    for i, kind in enumerate(config.layer_types):
+        src, dst = f"{prefix}layers.{i}.", f"layers.{i}."
+        if kind == "full_attention":
+            a = src + "self_attn."
+            out.update({dst + "mixer.q_gate": get(a + "q_proj.weight").T, dst + "mixer.k": get(a + "k_proj.weight").T,
+                        dst + "mixer.v": get(a + "v_proj.weight").T, dst + "mixer.out": get(a + "o_proj.weight").T,
+                        dst + "mixer.q_norm": get(a + "q_norm.weight"), dst + "mixer.k_norm": get(a + "k_norm.weight")})
+        else:
+            g = src + "linear_attn."
+            out.update({dst + "mixer.in_qkv": get(g + "in_proj_qkv.weight").T,
+                        dst + "mixer.in_z": get(g + "in_proj_z.weight").T,
+                        dst + "mixer.in_b": get(g + "in_proj_b.weight").T,
+                        dst + "mixer.in_a": get(g + "in_proj_a.weight").T,
+                        dst + "mixer.conv": get(g + "conv1d.weight")[:, 0], dst + "mixer.A_log": get(g + "A_log"),
+                        dst + "mixer.dt_bias": get(g + "dt_bias"), dst + "mixer.norm": get(g + "norm.weight"),
+                        dst + "mixer.out": get(g + "out_proj.weight").T})
+        out[dst + "mlp.gate_up"] = np.concatenate([get(src + "mlp.gate_proj.weight"),
+                                                   get(src + "mlp.up_proj.weight")], axis=0).T
+        out[dst + "mlp.down"] = get(src + "mlp.down_proj.weight").T
+        out[dst + "input_norm"] = get(src + "input_layernorm.weight")
+        out[dst + "mlp_norm"] = get(src + "post_attention_layernorm.weight")
+    check_all_used({n: t for n, t in tensors.items() if not n.startswith(("mtp.", "model.visual."))}, used)
+    return out
+
+
+def load_hf_hybrid(directory: str | Path, dtype: str = "float32", progress: bool = False):
+    """A Qwen3.5 Hugging Face directory -> `HybridTransformer` (shapes checked per tensor)."""
+    from flax import nnx
+
+    from weaver_jax._hybrid import HybridTransformer
+    from weaver_jax._model import module_from_params
+
+    directory = Path(directory)
+    cfg = json.loads((directory / "config.json").read_text())
+    if not set(cfg.get("architectures") or []) & set(HYBRID_FAMILIES):
+        raise ValueError(f"not a Qwen3.5 checkpoint: architectures {cfg.get('architectures')}")
+    config = hybrid_config_from_hf(cfg, dtype)
+    tensors = read_weights(directory, progress)
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in tensors) else "model."
+    params = hybrid_params_from_hf(config, tensors, prefix)
+    return module_from_params(lambda: HybridTransformer(config, rngs=nnx.Rngs(0)), config.jnp_dtype, params)
