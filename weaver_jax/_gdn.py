@@ -152,8 +152,8 @@ def fold_conv(conv_state, x, path_nodes, length) -> jax.Array:
     p = path_nodes.shape[1]
     taken = jnp.moveaxis(jnp.take_along_axis(x, path_nodes[..., None], axis=1), 1, 2).astype(conv_state.dtype)
     joined = jnp.concatenate([conv_state, taken], axis=2)  # [B, C, W - 1 + P]
-    start = length  # the last W - 1 of the first W - 1 + length columns
-    return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, keep, axis=1))(joined, jnp.minimum(start, p))
+    # the last W - 1 of the first W - 1 + length columns: they start at column `length`
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, keep, axis=1))(joined, jnp.minimum(length, p))
 
 
 class GDNState(NamedTuple):
