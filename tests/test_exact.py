@@ -15,7 +15,7 @@ from weaver_jax import KVCache
 from weaver_jax.testing import random_bundle
 
 from .drafters import OracleDrafter
-from .test_pallas_row_invariant import random_tree
+from .test_pallas_row_invariant import random_paths
 
 
 def test_tree_logits_equal_the_prefill_of_each_path():
@@ -24,12 +24,10 @@ def test_tree_logits_equal_the_prefill_of_each_path():
     rb = random_bundle(1, dtype="bfloat16", family="qwen3", tie_embeddings=True, drafter=False)
     target, rng = rb.target, np.random.default_rng(0)
     prompt = rng.integers(0, 128, 21)
-    paths = random_tree(rng, 12)
+    paths, attend = random_paths(rng, 12)
+    attend = attend[None]
     tokens = rng.integers(0, 128, len(paths))
     depth = np.array([len(p) - 1 for p in paths])
-    attend = np.zeros((1, len(paths), len(paths)), bool)
-    for i, path in enumerate(paths):
-        attend[0, i, path] = True
     width = len(prompt) + depth.max() + 1  # each path's prefill padded after its end: one batch of them
     ids = np.zeros((len(paths), width), np.int32)
     for i, path in enumerate(paths):

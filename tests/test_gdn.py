@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from weaver_jax._gdn import conv_tree, fold, fold_conv, gated_delta_chunked, gated_delta_step, gated_delta_tree
 from weaver_jax._model import position_path
 
-from .test_pallas_row_invariant import random_tree
+from .test_pallas_row_invariant import random_paths
 
 H_K, H_V, D_K, D_V, WIDTH, CHANNELS = 2, 4, 8, 6, 4, 5
 
@@ -72,10 +72,8 @@ def test_step_and_chunked_prefill_equal_the_recurrence():
 @given(st.integers(0, 2**31 - 1), st.integers(1, 12))
 def test_tree_nodes_equal_their_paths_and_folding_equals_decoding(seed, nodes):
     rng = np.random.default_rng(seed)
-    paths = random_tree(rng, nodes)
-    ancestors = np.zeros((1, nodes, nodes), bool)
-    for i, p in enumerate(paths):
-        ancestors[0, i, p] = True
+    paths, ancestors = random_paths(rng, nodes)
+    ancestors = ancestors[None]
     depth = np.array([[len(p) - 1 for p in paths]])
     q, k, v, g, beta, state = random_inputs(rng, 1, nodes)
     x = np.float32(rng.standard_normal((1, nodes, CHANNELS)))
@@ -151,10 +149,8 @@ def test_layer_prefill_tree_and_commit_equal_the_token_by_token_layer():
         np.testing.assert_allclose(after.recurrent[r], rec, rtol=2e-4, atol=2e-4)
         np.testing.assert_allclose(after.conv[r], conv, rtol=1e-6, atol=1e-6)
 
-    paths = random_tree(rng, 9)  # a tree after the prefilled state: each node as its path decoded
-    ancestors = np.zeros((1, 9, 9), bool)
-    for i, p in enumerate(paths):
-        ancestors[0, i, p] = True
+    paths, ancestors = random_paths(rng, 9)  # a tree after the prefilled state: each node as its path decoded
+    ancestors = ancestors[None]
     depth = np.array([[len(p) - 1 for p in paths]])
     nodes = np.float32(rng.standard_normal((1, 9, 16)))
     committed = GDNState(after.recurrent[:1], after.conv[:1])

@@ -8,7 +8,7 @@ from flax import nnx
 
 from weaver_jax._hybrid import random_hybrid
 
-from .test_pallas_row_invariant import random_tree
+from .test_pallas_row_invariant import random_paths
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 prefill = nnx.jit(lambda model, tokens, cache, lengths: model.prefill(tokens, cache, lengths))
@@ -40,11 +40,9 @@ def test_tree_nodes_equal_their_paths_and_commit_equals_prefill():
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 64, 7)
     _, cache = prefill(model, jnp.asarray(prompt[None]), model.init_cache(1, 32), jnp.asarray([7]))
-    paths = random_tree(rng, 10)
+    paths, ancestors = random_paths(rng, 10)
+    ancestors = ancestors[None]
     tokens = rng.integers(0, 64, 10)
-    ancestors = np.zeros((1, 10, 10), bool)
-    for i, p in enumerate(paths):
-        ancestors[0, i, p] = True
     depth = np.array([[len(p) - 1 for p in paths]])
     logits, scratch, pending = verify(model, jnp.asarray(tokens[None]), jnp.asarray(depth), cache,
                                             jnp.asarray(ancestors))

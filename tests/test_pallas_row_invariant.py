@@ -16,6 +16,7 @@ from weaver_jax.pallas_kernels import interpret
 from weaver_jax.pallas_kernels.row_invariant import attention, attention_reference, matmul, matmul_reference
 
 from .cuda import lower_for_cuda
+from .test_model import ancestor_matrix, random_tree
 
 
 def fresh_rng():
@@ -43,16 +44,17 @@ def test_matmul_matches_reference_and_is_row_invariant(m, k, n, transpose_w, dty
                                   err_msg=f"seed {seed}")
 
 
-def random_tree(rng, nodes: int):
-    """parent `[N]` (node 0 the root, parents first) and each node's path, root first."""
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, nodes)]
+def random_paths(rng, nodes: int):
+    """A random tree (`test_model.random_tree`): each node's path, root first, and the ancestors-or-self
+    table `[N, N]`."""
+    parent = random_tree(rng, nodes)
     paths = []
     for i in range(nodes):
         path = [i]
         while parent[path[-1]] >= 0:
-            path.append(parent[path[-1]])
+            path.append(int(parent[path[-1]]))
         paths.append(path[::-1])
-    return paths
+    return paths, ancestor_matrix(parent)
 
 
 @pytest.mark.parametrize("b,n,h,kv,d,prefix,dtype", [
@@ -66,12 +68,9 @@ def test_attention_matches_reference_and_is_row_invariant(b, n, h, kv, d, prefix
     q = jnp.asarray(rng.standard_normal((b, n, h, d)), dtype)
     k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype) for _ in range(2))
     lengths = jnp.asarray(prefix, jnp.int32)
-    paths = [random_tree(rng, n) for _ in range(b)]
+    paths, attend = zip(*(random_paths(rng, n) for _ in range(b)), strict=True)
     depth = np.array([[len(p) - 1 for p in tree] for tree in paths])
-    attend = np.zeros((b, n, n), bool)
-    for r, tree in enumerate(paths):
-        for i, path in enumerate(tree):
-            attend[r, i, path] = True
+    attend = np.stack(attend)
     positions = lengths[:, None] + jnp.asarray(depth)
     path = position_path(positions, lengths, jnp.asarray(attend))
     out = attention(q, k_cache, v_cache, positions, lengths, path, interpret=interpret(), poison=True)

@@ -14,7 +14,7 @@ from weaver_jax.pallas_kernels.tree_gdn import tree_gdn, tree_gdn_reference
 
 from .cuda import lower_for_cuda
 from .test_gdn import random_inputs
-from .test_pallas_row_invariant import random_tree
+from .test_pallas_row_invariant import random_paths
 
 
 @pytest.mark.parametrize("b,nodes", [(2, 1), (1, 13), (2, 20)])
@@ -29,9 +29,8 @@ def test_kernel_matches_reference(b, nodes):
     ancestors = np.zeros((b, nodes, nodes), bool)
     depth = 0
     for r in range(b):
-        for i, path in enumerate(random_tree(rng, nodes)):
-            ancestors[r, i, path] = True
-            depth = max(depth, len(path) - 1)
+        paths, ancestors[r] = random_paths(rng, nodes)
+        depth = max(depth, *(len(path) - 1 for path in paths))
     # the kernel wants head dims of 16 or more: zero key and value features change nothing
     q, k = (np.pad(x, [(0, 0)] * 3 + [(0, 16 - x.shape[-1])]) for x in (q, k))
     v = np.pad(v, [(0, 0)] * 3 + [(0, 16 - v.shape[-1])])

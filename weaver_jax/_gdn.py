@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from weaver_jax._model import causal_attend
+
 
 class TreeTerms(NamedTuple):
     """What `fold` needs of a verified tree: the solved values and cumulative log-decays."""
@@ -87,11 +89,6 @@ def fold(state, terms: TreeTerms, path) -> jax.Array:
                                                           precision="highest")
 
 
-def chain(batch: int, t: int) -> jax.Array:
-    """The ancestors-or-self table of a chain of t tokens, `[B, t, t]`."""
-    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
-
-
 def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
     """Prefill: the rule over a whole sequence, `chunk` tokens at a time in the tree form (a chain),
     the state folded after each chunk. -> (outputs `[B, T, H_v, d_v]` float32, the final state).
@@ -104,7 +101,7 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64) -> tuple[jax.A
     def split(x):  # [B, n * chunk, ...] -> [n, B, chunk, ...]
         return jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
 
-    whole = chain(b, chunk)
+    whole = causal_attend(b, chunk)  # a chain's ancestors-or-self
 
     def step(s, xs):
         out, terms = gated_delta_tree(*xs, s, whole)

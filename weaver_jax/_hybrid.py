@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from weaver_jax._gdn import GatedDeltaNet, GDNPending, GDNState, chain
-from weaver_jax._model import MLP, _param, _write, gqa_attention, visibility_mask
+from weaver_jax._gdn import GatedDeltaNet, GDNPending, GDNState
+from weaver_jax._model import MLP, KVCache, _param, _write, apply_rope, causal_attend, gqa_attention, visibility_mask
+from weaver_jax._speculative import commit_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +97,7 @@ def partial_rope(x, positions, config: HybridConfig):
     """Rotate the first `rotary_dim` features of each head `[B, T, H, D]` by split halves."""
     rot = config.rotary_dim
     inv_freq = 1.0 / config.rope_theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2, rest = x32[..., : rot // 2], x32[..., rot // 2: rot], x32[..., rot:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(x.dtype)
+    return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq), x[..., rot:]], axis=-1)
 
 
 class GatedAttention(nnx.Module):
@@ -191,7 +188,7 @@ class HybridTransformer(nnx.Module):
         `[B, T, V]` float32, the cache with every real token committed)."""
         b, t = tokens.shape
         positions = cache.lengths[:, None] + jnp.arange(t)
-        x, ks, vs, states = self._run(tokens, positions, cache, chain(b, t),
+        x, ks, vs, states = self._run(tokens, positions, cache, causal_attend(b, t),
                                       lambda gdn, x, state: gdn.prefill(x, state, lengths))
         return self.logits(x), HybridCache(ks, vs, states, cache.lengths + lengths)
 
@@ -206,16 +203,11 @@ class HybridTransformer(nnx.Module):
     def commit(self, cache: HybridCache, pending: tuple[GDNPending, ...], path_nodes, length) -> HybridCache:
         """The accepted path, node indices `path_nodes [B, P]` root first, its first `length [B]`: K/V
         moved to `[len, len + P)`, GDN states folded along it, lengths advanced by `length`."""
-        src = cache.lengths[:, None] + path_nodes
-
-        def move(layer):
-            return _write(layer, jnp.take_along_axis(layer, src[:, :, None, None], axis=1), cache.lengths)
-
+        moved = commit_kv(KVCache(cache.k, cache.v, cache.lengths), path_nodes)
         gdn_layers = [layer.mixer for layer in self.layers if layer.kind == "linear_attention"]
         states = tuple(gdn.commit(state, p, path_nodes, length)
                        for gdn, state, p in zip(gdn_layers, cache.gdn, pending, strict=True))
-        return HybridCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v), states,
-                           cache.lengths + length)
+        return HybridCache(moved.k, moved.v, states, cache.lengths + length)
 
 
 def random_hybrid(seed: int = 0, **changes) -> HybridTransformer:
