@@ -122,8 +122,9 @@ def main():
         scope = contextlib.nullcontext() if kernels is None else kernel_scope(kernels)
 
         def fresh(method=method, options=options):  # the caches are donated: new arguments for every call
+            method_options = {k: v for k, v in options.items() if k != "exact"}
             return _generate._prepare(bundle, [prompt] * args.batch, method, args.max_new_tokens, 0.0, 0, 1.0, 0, [],
-                                      options)
+                                      method_options, exact=options.get("exact", False))
 
         with scope:  # the kernel selection is read when the function is traced
             fn, static, call_args = fresh()

@@ -66,4 +66,5 @@ def test_exact_mode_is_bitwise_autoregressive(method, options):
         spec = weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=16, eos_token_id=[], exact=True,
                                    **sampling, **options)
         assert spec.tokens == ar.tokens, sampling
-        assert spec.stats["mean_accepted_length"] > 1.2, spec.stats  # paths past the root were verified
+        # paths past the root were verified and accepted (the oracle proposes greedy tokens: sampling takes fewer)
+        assert spec.stats["mean_accepted_length"] > (1.0 if sampling else 1.2), spec.stats
