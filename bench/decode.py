@@ -75,11 +75,12 @@ def _looped_seconds(body, init, weights, n: int, repeats: int, compiler_options:
     return (long - short) / n
 
 
-def floor_seconds(target: wj.Transformer, batch: int, repeats: int) -> dict:
+def floor_seconds(target: wj.Transformer, batch: int, repeats: int, mats: list | None = None) -> dict:
     """Two floors over the same weights, each inside a loop as decode is:
     `matvec`: one `x @ W` per weight matrix (the issue's definition; the LM head as in the model);
-    `read`: one fused sum over each weight matrix (pure streaming, no matrix unit)."""
-    mats = weight_matrices(target)
+    `read`: one fused sum over each weight matrix (pure streaming, no matrix unit).
+    mats: the matrices a step reads (default: `weight_matrices(target)`)."""
+    mats = weight_matrices(target) if mats is None else mats
     tied = target.lm_head is None
     d = target.config.hidden_size
 

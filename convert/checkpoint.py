@@ -1,7 +1,8 @@
 """The project's checkpoint directory: `config.json` + orbax parameters (+ `tokenizer.json`).
 
     DST/config.json      {"format": "weaver_jax", "version": 1, "kind": "target" | "drafter" | "adapter",
-                          "config": {...ModelConfig or DrafterConfig...}}
+                          "config": {...ModelConfig, HybridConfig, DrafterConfig or AdapterConfig...},
+                          "architecture": "hybrid" for a Qwen3.5 target (absent otherwise)}
     DST/params/          orbax checkpoint of the module's parameters, names as `flatten_params`
     DST/tokenizer.json   the tokenizer's vocabulary, merges and chat template, when the source had one
 
@@ -24,10 +25,12 @@ from flax import nnx
 from weaver_jax._adapter import Adapter, AdapterConfig
 from weaver_jax._config import ModelConfig
 from weaver_jax._drafter import Drafter, DrafterConfig
+from weaver_jax._hybrid import HybridConfig, HybridTransformer
 from weaver_jax._model import Transformer, flatten_params, module_from_params, module_params
 from weaver_jax._tokenizer import Tokenizer
 
 KINDS = {"target": (Transformer, ModelConfig), "drafter": (Drafter, DrafterConfig), "adapter": (Adapter, AdapterConfig)}
+HYBRID = "hybrid"  # a target checkpoint's "architecture" when it is a `HybridTransformer` (Qwen3.5)
 
 FORMAT, VERSION = "weaver_jax", 1
 
@@ -48,7 +51,8 @@ def require_new(dst: str | Path) -> Path:
     return dst
 
 
-def save(dst: str | Path, module: Transformer | Drafter | Adapter, tokenizer: Tokenizer | None = None) -> Path:
+def save(dst: str | Path, module: Transformer | HybridTransformer | Drafter | Adapter,
+         tokenizer: Tokenizer | None = None) -> Path:
     import orbax.checkpoint as ocp
 
     dst = require_new(dst)
@@ -58,8 +62,11 @@ def save(dst: str | Path, module: Transformer | Drafter | Adapter, tokenizer: To
         params = module_params(module)
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / "params", params)
-        kind = next(k for k, (cls, _) in KINDS.items() if isinstance(module, cls))
+        hybrid = isinstance(module, HybridTransformer)
+        kind = "target" if hybrid else next(k for k, (cls, _) in KINDS.items() if isinstance(module, cls))
         config = {"format": FORMAT, "version": VERSION, "kind": kind, "config": dataclasses.asdict(module.config)}
+        if hybrid:
+            config["architecture"] = HYBRID
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         if tokenizer is not None:
             (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.spec))
@@ -79,8 +86,14 @@ def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Draf
     if meta.get("version") != VERSION or meta.get("kind") not in KINDS:
         raise ValueError(f"{path}: unsupported checkpoint (version {meta.get('version')}, kind {meta.get('kind')!r})")
     cls, config_cls = KINDS[meta["kind"]]
+    if meta.get("architecture", "") not in ("", HYBRID):
+        raise ValueError(f"{path}: unknown target architecture {meta['architecture']!r}")
+    if meta.get("architecture") == HYBRID:
+        cls, config_cls = HybridTransformer, HybridConfig
     fields = dict(meta["config"])
-    if config_cls is ModelConfig:
+    if config_cls is HybridConfig:
+        config = HybridConfig(**{**fields, "layer_types": tuple(fields["layer_types"])})
+    elif config_cls is ModelConfig:
         config = ModelConfig.from_dict(fields)
     elif config_cls is DrafterConfig:
         config = DrafterConfig(**{**fields, "target_layer_ids": tuple(fields["target_layer_ids"])})

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from weaver_jax._config import ModelConfig, RopeScaling
-from weaver_jax._model import Transformer, target_from_params
+from weaver_jax._model import target_from_params
 
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
@@ -19,7 +19,7 @@ def config_from_hf(cfg: Mapping, dtype: str = "float32") -> ModelConfig:
     archs = cfg.get("architectures") or []
     family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
     if family is None:
-        raise ValueError(f"unsupported architecture {archs}; supported: {sorted(FAMILIES)}")
+        raise ValueError(f"unsupported architecture {archs}; supported: {sorted(FAMILIES) + list(HYBRID_FAMILIES)}")
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     rope_scaling = None
     if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
@@ -151,11 +151,15 @@ def read_weights(directory: Path, progress: bool = False) -> dict[str, np.ndarra
     return read_torch_weights(directory, progress)
 
 
-def load_hf_target(directory: str | Path, dtype: str = "float32", progress: bool = False) -> Transformer:
+def load_hf_target(directory: str | Path, dtype: str = "float32", progress: bool = False):
+    """A Hugging Face directory -> `Transformer` (Llama / Qwen2 / Qwen3), or `HybridTransformer` (Qwen3.5)."""
     directory = Path(directory)
     if not (directory / "config.json").exists():
         raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory")
-    config = config_from_hf(json.loads((directory / "config.json").read_text()), dtype)
+    cfg = json.loads((directory / "config.json").read_text())
+    if set(cfg.get("architectures") or []) & set(HYBRID_FAMILIES):
+        return load_hf_hybrid(directory, dtype, progress)
+    config = config_from_hf(cfg, dtype)
     tensors = read_weights(directory, progress)
     return target_from_params(config, target_params_from_hf(config, tensors))
 
@@ -186,6 +190,7 @@ def hybrid_config_from_hf(cfg: Mapping, dtype: str = "float32"):
         partial_rotary_factor=float(text.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))),
         rope_theta=float(text.get("rope_theta", rope.get("rope_theta", 10_000_000.0))),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        max_seq_len=int(text.get("max_position_embeddings", 262_144)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))), dtype=dtype)
 
 

@@ -23,6 +23,7 @@ committed (lengths unchanged).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -147,4 +148,6 @@ def accept_commit(tree: Tree, choice, cache: KVCache, *, max_depth: int, layers_
         out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
         aliases={2 + layers + i: i for i in range(layers)}, name="accept_commit_scatter", **launch)
     half = len(cache.k)
-    return Acceptance(path[:, :p], length, bonus), KVCache(tuple(caches[:half]), tuple(caches[half:]), cache.lengths)
+    # replace, not a new KVCache: a hybrid target's cache keeps its GDN states
+    return Acceptance(path[:, :p], length, bonus), dataclasses.replace(cache, k=tuple(caches[:half]),
+                                                                       v=tuple(caches[half:]))

@@ -28,7 +28,7 @@ class OracleDrafter(nnx.Module):
         tokens, token, c = [], root, target_cache
         for i in range(positions):
             out = target(token[:, None], (target_cache.lengths + i)[:, None], c)
-            c = out.cache.with_lengths(c.lengths + 1)
+            c = target.commit(out.cache, out.pending, jnp.zeros_like(token)[:, None], jnp.ones_like(token))
             token = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
             tokens.append(token)
         tokens = jnp.stack(tokens, 1)  # [B, K]

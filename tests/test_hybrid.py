@@ -1,19 +1,40 @@
 """The hybrid (Qwen3.5-style) target: decoding token by token equals one prefill of the whole
 sequence (ragged batch); every node of a verified tree has the logits of the prefill of its own path,
-and committing a path leaves the cache (K/V and GDN states) a prefill of that path leaves."""
+and committing a path leaves the cache (K/V and GDN states) a prefill of that path leaves; every
+speculative method generates `ar`'s tokens with it (greedy, seeded sampling) and its distribution."""
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import weaver_jax
 from weaver_jax._hybrid import random_hybrid
+from weaver_jax._speculative import commit_kv
+from weaver_jax.pallas_kernels import kernel_scope
+from weaver_jax.testing import random_bundle
 
+from .drafters import OracleDrafter
 from .test_pallas_row_invariant import random_paths
+from .test_speculative import assert_three_token_distribution, exact_three_token_distribution
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-prefill = nnx.jit(lambda model, tokens, cache, lengths: model.prefill(tokens, cache, lengths))
-verify = nnx.jit(lambda model, tokens, depth, cache, ancestors: model.verify(tokens, depth, cache, ancestors))
-commit = nnx.jit(lambda model, cache, pending, path, length: model.commit(cache, pending, path, length))
+
+
+@nnx.jit
+def prefill(model, tokens, cache, lengths):
+    out = model.prefill(tokens, cache, lengths)
+    return out.logits, out.cache
+
+
+@nnx.jit
+def verify(model, tokens, depth, cache, ancestors):
+    out = model(tokens, cache.lengths[:, None] + depth, cache, ancestors)
+    return out.logits, out.cache, out.pending
+
+
+@nnx.jit
+def commit(model, cache, pending, path, length):  # as a round commits: the path's K/V moved, then the states
+    return model.commit(commit_kv(cache, path), pending, path, length)
 
 
 def test_decode_steps_equal_one_prefill():
@@ -68,26 +89,74 @@ def test_tree_nodes_equal_their_paths_and_commit_equals_prefill():
         np.testing.assert_allclose(got.conv[0], want.conv[row], **TOL)
 
 
-def test_qwen3_5_logits_match_transformers():
-    """A tiny random Qwen3.5 text model made by transformers (tests/fixtures/make_fixtures.py): converted,
-    its logits equal transformers' (float32: measured 2e-7 apart at logits of std 0.16; the tolerance leaves
-    float32 rounding through 4 layers 50x room); a missing or an extra tensor is named."""
+def test_qwen3_5_matches_transformers_and_converts(tmp_path):
+    """A tiny random Qwen3.5 text model made by transformers (tests/fixtures/make_fixtures.py), loaded from
+    its Hugging Face directory: logits equal transformers' (float32: measured 2e-7 apart at logits of std
+    0.16; the tolerance leaves float32 rounding through 4 layers 50x room), and greedy generation after a
+    70-token prompt (a two-chunk prefill, then decode steps) gives transformers' 16 tokens. `weaver-convert
+    target` writes a checkpoint that loads back to the same logits. A missing or an extra tensor is named."""
     import json
     from pathlib import Path
 
     import pytest
 
-    from weaver_jax.convert.hf import hybrid_config_from_hf, hybrid_params_from_hf, load_hf_hybrid, read_weights
+    from weaver_jax.convert.cli import main as convert
+    from weaver_jax.convert.hf import hybrid_config_from_hf, hybrid_params_from_hf, read_weights
 
     directory = Path(__file__).parent / "fixtures" / "hf" / "qwen3_5"
-    model = load_hf_hybrid(directory)
     ref = np.load(directory / "reference.npz")
     ids = jnp.asarray(ref["ids"])
-    logits, _ = prefill(model, ids, model.init_cache(*ids.shape), jnp.full((ids.shape[0],), ids.shape[1]))
-    np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-5)
+    bundle = weaver_jax.load(directory, dtype="float32")
+    assert convert(["target", str(directory), str(tmp_path / "converted")]) == 0
+    converted = weaver_jax.load(tmp_path / "converted")
+    for model in (bundle.target, converted.target):
+        logits, _ = prefill(model, ids, model.init_cache(*ids.shape), jnp.full((ids.shape[0],), ids.shape[1]))
+        np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-5)
+    out = weaver_jax.generate(bundle, ref["prompt"].tolist(), max_new_tokens=16, eos_token_id=[])
+    assert out.tokens == ref["greedy"].tolist()
     tensors = read_weights(directory)
     config = hybrid_config_from_hf(json.loads((directory / "config.json").read_text()))
     with pytest.raises(ValueError, match="missing tensor model.layers.0.linear_attn.A_log"):
         hybrid_params_from_hf(config, {n: t for n, t in tensors.items() if n != "model.layers.0.linear_attn.A_log"})
     with pytest.raises(ValueError, match="unexpected tensors: .*extra"):
         hybrid_params_from_hf(config, {**tensors, "model.extra.weight": tensors["model.norm.weight"]})
+
+
+HYBRID_METHODS = [("dflash", {}), ("ddtree", {"budget": 6}), ("weaver", {"budget": 6, "expansions_per_call": 2})]
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3]]
+
+
+def test_every_method_greedy_equals_autoregressive_on_a_hybrid_target():
+    """Ragged batch, a random drafter for every method; then a corrupted oracle drafter (long accepted paths
+    folded into the GDN states, rejections mid-path) with the acceptance kernel, which moves the attention
+    layers' K/V in place and must leave the GDN states to the target's commit."""
+    rb = random_bundle(0, family="qwen3_5", block_size=4)
+    ar = weaver_jax.generate(rb, PROMPTS, max_new_tokens=16, eos_token_id=[])
+    for method, options in HYBRID_METHODS:
+        spec = weaver_jax.generate(rb, PROMPTS, method=method, max_new_tokens=16, eos_token_id=[], **options)
+        assert spec.tokens == ar.tokens, method
+    oracle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4, corrupt=True),
+                               adapter=rb.adapter)
+    with kernel_scope(("accept_commit",)):
+        spec = weaver_jax.generate(oracle, PROMPTS, method="weaver", max_new_tokens=16, eos_token_id=[],
+                                   **dict(HYBRID_METHODS)["weaver"])
+    assert spec.tokens == ar.tokens
+    assert spec.stats["mean_accepted_length"] > 1.5, spec.stats  # paths past the root were folded
+
+
+def test_hybrid_sampling_is_seed_identical_and_has_the_autoregressive_distribution():
+    """Weaver: token for token `ar`'s samples for per-prompt seeds (ragged batch, top-k); dflash: 16000
+    samples of 3 tokens against the exact distribution (vocabulary 4)."""
+    rb = random_bundle(1, family="qwen3_5", block_size=4)
+    sampling = dict(temperature=0.7, top_k=8, seed=[4, 2, 9], eos_token_id=[])
+    ar = weaver_jax.generate(rb, PROMPTS, max_new_tokens=16, **sampling)
+    spec = weaver_jax.generate(rb, PROMPTS, method="weaver", max_new_tokens=16, **sampling,
+                               **dict(HYBRID_METHODS)["weaver"])
+    assert spec.tokens == ar.tokens
+
+    small = random_bundle(2, family="qwen3_5", vocab_size=4, num_layers=2, block_size=4)
+    prompt, n = [1, 3, 0], 16_000
+    exact = exact_three_token_distribution(small.target, prompt, temperature=1.0)
+    out = weaver_jax.generate(small, [prompt] * n, method="dflash", max_new_tokens=3, eos_token_id=[],
+                              seed=list(range(n)), temperature=1.0)
+    assert_three_token_distribution(out.tokens, exact)

@@ -1,7 +1,8 @@
 """weaver_jax: lossless speculative decoding for JAX with Weaver trees.
 
 Public API: `load`, `generate` (host wrapper), the pure jitted `ar_generate` and
-`spec_generate`, the modules `Transformer`, `Drafter`, `Adapter` with their configs, `KVCache`,
+`spec_generate`, the modules `Transformer`, `HybridTransformer` (Qwen3.5 Gated DeltaNet hybrids),
+`Drafter`, `Adapter` with their configs, `KVCache` and `HybridCache`,
 `Tree`, `Sampling`; `weaver_jax.testing` builds random models.
 """
 
@@ -9,6 +10,7 @@ from weaver_jax._adapter import Adapter, AdapterConfig
 from weaver_jax._config import ModelConfig, RopeScaling, qwen3_8b, smollm2_135m
 from weaver_jax._drafter import Drafter, DrafterConfig
 from weaver_jax._generate import AROutput, GenerateResult, ar_generate, generate, proposal_tree, sequence_keys
+from weaver_jax._hybrid import HybridCache, HybridConfig, HybridTransformer
 from weaver_jax._load import Bundle, load
 from weaver_jax._model import ForwardOutput, KVCache, Transformer, target_from_params
 from weaver_jax._sampling import Sampling
@@ -18,7 +20,8 @@ from weaver_jax._tree import Tree
 
 __all__ = [
     "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig", "ForwardOutput", "GenerateResult",
-    "KVCache", "ModelConfig", "RopeScaling", "Sampling", "SpecOutput", "Tokenizer", "Transformer", "Tree",
+    "HybridCache", "HybridConfig", "HybridTransformer", "KVCache", "ModelConfig", "RopeScaling", "Sampling",
+    "SpecOutput", "Tokenizer", "Transformer", "Tree",
     "ar_generate", "generate", "load", "proposal_tree", "qwen3_8b", "sequence_keys", "smollm2_135m", "spec_generate",
     "target_from_params",
 ]

@@ -91,9 +91,8 @@ def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new
     if t + max_new_tokens > cache.size:  # necessary even for an empty cache; slots would be clamped
         raise ValueError(f"cache of {cache.size} slots cannot hold prompts of {t} + {max_new_tokens} new tokens")
     model = nnx.merge(graphdef, params)
-    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    out = model(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None], exact=exact)
-    cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
+    out = model.prefill(prompts, cache, prompt_lengths, logits_rows=(prompt_lengths - 1)[:, None], exact=exact)
+    cache = out.cache
 
     state = ARState(
         step=jnp.int32(1), last=jnp.zeros((b,), jnp.int32), cache=cache,
@@ -108,7 +107,7 @@ def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new
     def body(s: ARState):
         active = ~s.done
         o = model(s.last[:, None], s.cache.lengths[:, None], s.cache, exact=exact)
-        cache = o.cache.with_lengths(s.cache.lengths + active)
+        cache = model.commit(o.cache, o.pending, jnp.zeros((b, 1), jnp.int32), active.astype(jnp.int32))
         token = select(o.logits[:, 0], keys, s.step, sampling)
         s = s._replace(step=s.step + 1, cache=cache)
         return _emit(s, token, active, eos_ids, max_new_tokens)
@@ -241,14 +240,14 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
                   kernels=enabled_kernels(), exact=exact)
     if method == "ar":
         size = _round_up(padded_len + max_new_tokens, 128)
-        fn, args = ar_generate, [params, KVCache.init(config, len(prompts), size)]
+        fn, args = ar_generate, [params, bundle.target.init_cache(len(prompts), size)]
     else:
         drafter_graphdef, drafter_params = nnx.split(bundle.drafter)
         static.update(drafter_graphdef=drafter_graphdef, method=method, options=tuple(sorted(options.items())))
         size = _round_up(padded_len + max_new_tokens + nodes, 128)
         dsize = _round_up(padded_len + max_new_tokens + bundle.drafter.config.block_size, 128)
         fn = spec_first_round if round_only else spec_generate
-        args = [params, drafter_params, KVCache.init(config, len(prompts), size),
+        args = [params, drafter_params, bundle.target.init_cache(len(prompts), size),
                 bundle.drafter.init_cache(len(prompts), dsize)]
     args += [batch, lengths, keys]
     if method == "weaver":

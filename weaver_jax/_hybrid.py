@@ -2,19 +2,17 @@
 attention in a `layer_types` schedule, with a static-shape cache holding K/V for the attention layers
 and recurrent + conv states for the GDN layers.
 
-Three calls, as the speculative round uses them: `prefill` (right-padded ragged prompts: K/V written,
-GDN states committed for each prompt's real tokens, lengths advanced); `verify` (a tree, or one decode
-token, at depths past the committed length: every node's logits along its own path, K/V written to
-scratch slots, no GDN state touched); `commit` (the accepted path: its K/V moved into place, only its
-tokens folded into the GDN states, lengths advanced). A rejected branch leaves nothing to undo.
+The target protocol the generation loops use (`Transformer` has the same three calls): `prefill`
+(right-padded ragged prompts: K/V written, GDN states committed for each prompt's real tokens, lengths
+advanced); the forward `__call__` (a tree, or one decode token, at depths past the committed length:
+every node's logits along its own path, K/V written to scratch slots, no GDN state touched, `pending`
+returned); `commit` (after the accepted path's K/V are moved into place: only its tokens folded into the
+GDN states, lengths advanced). A rejected branch leaves nothing to undo.
 
 Qwen3.5's conventions: RMSNorms scale by (1 + weight); attention's q projection carries an output gate
 interleaved per head (query, then gate), q / k are normed per head before a partial rotary embedding
 (the first `partial_rotary_factor` of each head, halves rotated), and the output is multiplied by
 sigmoid(gate) before its projection. Weights `[in, out]`.
-
-Not yet wired into `generate` (the round's commit and the drafter's layer choice for hybrid targets
-come next); `HybridConfig` will join `ModelConfig` then.
 """
 
 from __future__ import annotations
@@ -27,8 +25,17 @@ import numpy as np
 from flax import nnx
 
 from weaver_jax._gdn import GatedDeltaNet, GDNPending, GDNState
-from weaver_jax._model import MLP, KVCache, _param, _write, apply_rope, causal_attend, gqa_attention, visibility_mask
-from weaver_jax._speculative import commit_kv
+from weaver_jax._model import (
+    MLP,
+    ForwardOutput,
+    KVCache,
+    _param,
+    _write,
+    apply_rope,
+    causal_attend,
+    gqa_attention,
+    visibility_mask,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,7 @@ class HybridConfig:
     rope_theta: float = 10_000_000.0
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
+    max_seq_len: int = 262_144
     dtype: str = "float32"
 
     def __post_init__(self):
@@ -57,6 +65,8 @@ class HybridConfig:
             raise ValueError(f"unknown layer types {sorted(unknown)}")
         if self.num_heads % self.num_kv_heads or self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("query heads must group over K/V heads, value heads over key heads")
+
+    family = "qwen3_5"
 
     @property
     def num_layers(self) -> int:
@@ -73,18 +83,16 @@ class HybridConfig:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class HybridCache:
-    """K/V `[B, S, H_kv, D]` per attention layer, a `GDNState` per GDN layer (in layer order within each
-    kind), committed lengths `[B]`."""
+class HybridCache(KVCache):
+    """A `KVCache` whose K/V `[B, S, H_kv, D]` are the attention layers' only, plus a `GDNState` per GDN
+    layer (both in layer order within their kind); committed lengths `[B]`. Everything that moves K/V
+    (`commit_kv`, the acceptance kernel) replaces k and v and keeps the states."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
     gdn: tuple[GDNState, ...]
-    lengths: jax.Array
 
     @property
-    def size(self) -> int:
-        return self.k[0].shape[1] if self.k else 0
+    def size(self) -> int:  # with no attention layer there are no slots to run out of
+        return self.k[0].shape[1] if self.k else np.iinfo(np.int32).max
 
 
 def zero_centered_rms_norm(x, weight, eps: float):
@@ -158,21 +166,35 @@ class HybridTransformer(nnx.Module):
         attention = c.layer_types.count("full_attention")
         zeros = lambda: jnp.zeros((batch, size, c.num_kv_heads, c.head_dim), c.jnp_dtype)  # noqa: E731
         return HybridCache(tuple(zeros() for _ in range(attention)), tuple(zeros() for _ in range(attention)),
-                           tuple(layer.mixer.init_state(batch) for layer in self.layers
-                                 if layer.kind == "linear_attention"), jnp.zeros((batch,), jnp.int32))
+                           jnp.zeros((batch,), jnp.int32), tuple(layer.mixer.init_state(batch) for layer in self.layers
+                                                                 if layer.kind == "linear_attention"))
 
-    def logits(self, x):
-        h = zero_centered_rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+    def final_state(self, h, exact: bool = False):
+        """The final norm of last-layer outputs `[..., D]` (what the LM head reads)."""
+        del exact  # signature shared with `Transformer`; exact mode is refused by the forward
+        return zero_centered_rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
+
+    def head(self, h, exact: bool = False):
+        """The LM head alone: `[..., D] -> [..., V]` float32."""
+        del exact
         w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
-    def _run(self, tokens, positions, cache: HybridCache, attend, gdn_call):
+    def logits(self, x):
+        return self.head(self.final_state(x))
+
+    def _run(self, tokens, positions, cache: HybridCache, attend, hidden_layers, exact, gdn_call):
         """The layer stack: `gdn_call(layer, x, state)` runs a GDN layer -> (out, per-layer result)."""
+        if exact:
+            raise ValueError("exact=True (the row-invariant forward) is not implemented for hybrid Gated DeltaNet "
+                             "targets; use exact=False")
+        if any(not 0 <= i < self.config.num_layers for i in hidden_layers):
+            raise ValueError(f"hidden_layers {hidden_layers} outside [0, {self.config.num_layers})")
         mask = visibility_mask(cache.lengths, attend, cache.size)
         x = jnp.take(self.embed[...], tokens, axis=0)
-        ks, vs, results = list(cache.k), list(cache.v), []
+        ks, vs, results, hidden = list(cache.k), list(cache.v), [], {}
         a = 0
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             normed = zero_centered_rms_norm(x, layer.input_norm[...], layer.eps)
             if layer.kind == "full_attention":
                 mixed, ks[a], vs[a] = layer.mixer(normed, positions, ks[a], vs[a], mask, cache.lengths)
@@ -181,33 +203,56 @@ class HybridTransformer(nnx.Module):
                 mixed, result = gdn_call(layer.mixer, normed, cache.gdn[len(results)])
                 results.append(result)
             x = layer.finish(x, mixed)
-        return x, tuple(ks), tuple(vs), tuple(results)
+            if i in hidden_layers:
+                hidden[i] = x
+        return x, tuple(hidden[i] for i in hidden_layers), tuple(ks), tuple(vs), tuple(results)
 
-    def prefill(self, tokens, cache: HybridCache, lengths):
-        """Right-padded prompts `[B, T]` after the committed tokens, `lengths [B]` real: -> (logits
-        `[B, T, V]` float32, the cache with every real token committed)."""
+    def _output(self, x, hidden, cache, logits_rows, pending=()):
+        if logits_rows is not None:
+            x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
+        return ForwardOutput(self.logits(x), hidden, cache, pending)
+
+    def prefill(self, tokens, cache: HybridCache, lengths, *, logits_rows=None, hidden_layers=(),
+                exact: bool = False) -> ForwardOutput:
+        """Right-padded prompts `[B, T]` after the committed tokens, `lengths [B]` real: the forward (GDN
+        layers by the chunked form) with every real token committed (K/V, GDN states, lengths)."""
         b, t = tokens.shape
         positions = cache.lengths[:, None] + jnp.arange(t)
-        x, ks, vs, states = self._run(tokens, positions, cache, causal_attend(b, t),
-                                      lambda gdn, x, state: gdn.prefill(x, state, lengths))
-        return self.logits(x), HybridCache(ks, vs, states, cache.lengths + lengths)
+        x, hidden, ks, vs, states = self._run(tokens, positions, cache, causal_attend(b, t), hidden_layers, exact,
+                                              lambda gdn, x, state: gdn.prefill(x, state, lengths))
+        return self._output(x, hidden, HybridCache(ks, vs, cache.lengths + lengths, states), logits_rows)
 
-    def verify(self, tokens, depth, cache: HybridCache, ancestors):
-        """A tree `[B, T]` at `depth [B, T]` past the committed length, ancestors-or-self `[B, T, T]`: ->
-        (logits `[B, T, V]` float32, the cache with the nodes' K/V at scratch slots `[len, len + T)` and
-        its GDN states untouched, what `commit` folds)."""
-        x, ks, vs, pending = self._run(tokens, cache.lengths[:, None] + depth, cache, ancestors,
-                                       lambda gdn, x, state: gdn(x, state, depth, ancestors))
-        return self.logits(x), HybridCache(ks, vs, cache.gdn, cache.lengths), pending
+    def __call__(self, tokens, positions, cache: HybridCache, attend=None, *, logits_rows=None, hidden_layers=(),
+                 exact: bool = False) -> ForwardOutput:
+        """A tree (or one decode token) `[B, T]` at `positions` = committed length + depth, `attend`
+        ancestors-or-self `[B, T, T]` (None: a causal chain): every node's logits along its own path, its
+        K/V at scratch slots `[len, len + T)`, the GDN states untouched; `pending` is what `commit` folds."""
+        b, t = tokens.shape
+        attend = causal_attend(b, t) if attend is None else attend
+        depth = positions - cache.lengths[:, None]
+        x, hidden, ks, vs, pending = self._run(tokens, positions, cache, attend, hidden_layers, exact,
+                                               lambda gdn, x, state: gdn(x, state, depth, attend))
+        return self._output(x, hidden, dataclasses.replace(cache, k=ks, v=vs), logits_rows, pending)
 
-    def commit(self, cache: HybridCache, pending: tuple[GDNPending, ...], path_nodes, length) -> HybridCache:
-        """The accepted path, node indices `path_nodes [B, P]` root first, its first `length [B]`: K/V
-        moved to `[len, len + P)`, GDN states folded along it, lengths advanced by `length`."""
-        moved = commit_kv(KVCache(cache.k, cache.v, cache.lengths), path_nodes)
+    def commit(self, cache: HybridCache, pending: tuple[GDNPending, ...], path, count) -> HybridCache:
+        """After `__call__`, with the accepted nodes' K/V already in place (`commit_kv` or the acceptance
+        kernel): fold the first `count [B]` nodes of `path [B, P]` (node indices, root first) into the GDN
+        states - rejected branches never touch them - and advance the lengths by `count`."""
         gdn_layers = [layer.mixer for layer in self.layers if layer.kind == "linear_attention"]
-        states = tuple(gdn.commit(state, p, path_nodes, length)
+        states = tuple(gdn.commit(state, p, path, count)
                        for gdn, state, p in zip(gdn_layers, cache.gdn, pending, strict=True))
-        return HybridCache(moved.k, moved.v, states, cache.lengths + length)
+        return dataclasses.replace(cache, gdn=states, lengths=cache.lengths + count)
+
+
+def qwen3_6_27b(dtype: str = "bfloat16", **changes) -> HybridConfig:
+    """The Qwen3.6-27B (= Qwen3.5-27B) text shape: 64 layers, every fourth full attention (24 query / 4 K/V
+    heads of 256, a quarter rotated), the other 48 Gated DeltaNet (16 key / 48 value heads of 128, conv 4),
+    width 5120, MLP 17408, vocabulary 248320, LM head untied. For benchmarks with random weights."""
+    return HybridConfig(**{**dict(
+        vocab_size=248_320, hidden_size=5120, intermediate_size=17_408,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)),
+        num_heads=24, num_kv_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_key_head_dim=128, linear_value_head_dim=128, dtype=dtype), **changes})
 
 
 def random_hybrid(seed: int = 0, **changes) -> HybridTransformer:

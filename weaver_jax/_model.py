@@ -57,6 +57,8 @@ class ForwardOutput(NamedTuple):
     logits: jax.Array  # [B, R, V] float32 for the requested rows (R = T when rows is None)
     hidden: tuple[jax.Array, ...]  # one [B, T, D] per requested layer (output of that layer)
     cache: KVCache  # new K/V written at [lengths, lengths + T); lengths unchanged
+    # what the target's `commit` folds besides K/V: a hybrid target's GDN terms (`_hybrid`); none for attention
+    pending: tuple = ()
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:
@@ -263,6 +265,23 @@ class Transformer(nnx.Module):
         self.final_norm = nnx.Param(jnp.ones((config.hidden_size,), dt))
         self.lm_head = None if config.tie_embeddings else _param(
             rngs, (config.hidden_size, config.vocab_size), dt, config.hidden_size)
+
+    def init_cache(self, batch: int, size: int) -> KVCache:
+        return KVCache.init(self.config, batch, size)
+
+    def prefill(self, tokens, cache: KVCache, lengths, **options) -> ForwardOutput:
+        """Right-padded tokens `[B, T]` after the committed ones, the first `lengths [B]` real: the forward
+        (`__call__`'s keyword options) with those tokens committed (lengths advanced)."""
+        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+        out = self(tokens, positions, cache, **options)
+        return out._replace(cache=out.cache.with_lengths(cache.lengths + lengths))
+
+    def commit(self, cache: KVCache, pending: tuple, path: jax.Array, count: jax.Array) -> KVCache:
+        """After a forward whose accepted nodes' K/V are in place at `[len, len + count)` (a decode step's
+        token, or a tree's path moved by `accept_and_move`): commit the first `count [B]` of `path [B, P]`.
+        An attention-only target holds nothing else: the lengths advance (see the hybrid target's)."""
+        del pending, path
+        return cache.with_lengths(cache.lengths + count)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Final norm + LM head: `[..., D] -> [..., V]` float32."""

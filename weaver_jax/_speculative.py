@@ -14,6 +14,7 @@ The whole generation is one `lax.while_loop` under `jax.jit`. Per round:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -159,7 +160,7 @@ def accept_and_move(tree: Tree, logits: jax.Array | None, cache: KVCache, keys: 
     choice `[B, N]`: the per-node target tokens (`node_choices`) when already known; then `logits`
     `keys` and `first_step` are unused. ancestors: `tree.ancestors()` when already made (the XLA walk reads it)."""
     choice = tree_choices(tree, logits, keys, first_step, sampling) if choice is None else choice
-    if kernels_enabled("accept_commit"):
+    if kernels_enabled("accept_commit") and cache.k:  # (a hybrid target may have no attention layer)
         from weaver_jax.pallas_kernels import interpret
         from weaver_jax.pallas_kernels.accept_commit import accept_commit
 
@@ -177,7 +178,7 @@ def commit_kv(cache: KVCache, path: jax.Array) -> KVCache:
     def move(layer):
         return _write(layer, jnp.take_along_axis(layer, src[:, :, None, None], axis=1), cache.lengths)
 
-    return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v), cache.lengths)
+    return dataclasses.replace(cache, k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v))
 
 
 class SpecState(NamedTuple):
@@ -263,10 +264,10 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
              max_new_tokens) -> SpecState:
     b, t = prompts.shape
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
-    out = p.target(prompts, positions, cache, logits_rows=(prompt_lengths - 1)[:, None], hidden_layers=p.hidden_ids,
-                   exact=p.exact)
+    out = p.target.prefill(prompts, cache, prompt_lengths, logits_rows=(prompt_lengths - 1)[:, None],
+                           hidden_layers=p.hidden_ids, exact=p.exact)
     drafter_cache = p.drafter.commit(drafter_cache, out.hidden[: len(p.layer_ids)], positions, prompt_lengths)
-    cache = out.cache.with_lengths(cache.lengths + prompt_lengths)
+    cache = out.cache
     first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
     count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), max_new_tokens))
     return SpecState(
@@ -328,7 +329,7 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     # (the bonus, unless EOS or max_new_tokens cut the round short) is the next root.
     with jax.named_scope("drafter_commit"):
         drafter_cache = p.drafter.commit(s.drafter_cache, features, committed_positions, count)
-    cache = moved.with_lengths(moved.lengths + count)
+    cache = p.target.commit(moved, verify.pending, path, count)  # a hybrid target folds its GDN states here
     histogram = s.histogram.at[rows, acc.length].add(active.astype(jnp.int32))
     root = jnp.where(active, new[rows, jnp.maximum(count - 1, 0)], s.root)
     root_state = s.root_state

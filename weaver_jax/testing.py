@@ -7,6 +7,7 @@ from flax import nnx
 from weaver_jax._adapter import Adapter, random_adapter_config
 from weaver_jax._config import ModelConfig, RopeScaling
 from weaver_jax._drafter import Drafter, random_drafter_config
+from weaver_jax._hybrid import random_hybrid
 from weaver_jax._load import Bundle
 from weaver_jax._model import Transformer
 
@@ -26,6 +27,19 @@ def random_config(*, vocab_size: int = 128, hidden_size: int = 64, intermediate_
         dtype=dtype, family=family)
 
 
+def random_hybrid_config(*, vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 3,
+                         layer_types: tuple[str, ...] | None = None, max_seq_len: int = 512,
+                         tie_embeddings: bool = False, dtype: str = "float32") -> dict:
+    """`random_hybrid`'s options for a small Qwen3.5-style target: Qwen's schedule (every fourth layer
+    full attention, the last one if there are fewer) unless `layer_types` is given."""
+    if layer_types is None:
+        interval = min(4, num_layers)
+        layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                            for i in range(num_layers))
+    return dict(vocab_size=vocab_size, hidden_size=hidden_size, layer_types=tuple(layer_types),
+                max_seq_len=max_seq_len, tie_embeddings=tie_embeddings, dtype=dtype)
+
+
 def random_target(config: ModelConfig, seed: int = 0) -> Transformer:
     """A target with random weights; norm scales are randomised too so that no weight is trivial."""
     import jax
@@ -40,10 +54,14 @@ def random_target(config: ModelConfig, seed: int = 0) -> Transformer:
 
 
 def random_bundle(seed: int = 0, *, eos_token_ids: tuple[int, ...] = (), drafter: bool = True,
-                  block_size: int = 8, drafter_layers: int = 2, **config_options) -> Bundle:
-    """A bundle with a small random target (`random_config` options) and, unless `drafter=False`,
-    a random drafter and a random Weaver adapter for it."""
-    target = random_target(random_config(**config_options), seed)
+                  block_size: int = 8, drafter_layers: int = 2, family: str = "llama", **config_options) -> Bundle:
+    """A bundle with a small random target and, unless `drafter=False`, a random drafter and a random
+    Weaver adapter for it. family "llama" / "qwen2" / "qwen3": `random_config` options; "qwen3_5": a
+    hybrid Gated DeltaNet target (`random_hybrid_config` options: by default both layer kinds)."""
+    if family == "qwen3_5":
+        target = random_hybrid(seed, **random_hybrid_config(**config_options))
+    else:
+        target = random_target(random_config(family=family, **config_options), seed)
     draft = adapt = None
     if drafter:
         dconfig = random_drafter_config(target.config, num_layers=drafter_layers, block_size=block_size)
