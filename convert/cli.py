@@ -5,8 +5,8 @@
     weaver-convert adapter SRC.pt DST [--dtype ...]
 
 target: SRC is a Hugging Face directory (config.json + model.safetensors, a sharded index, or
-pytorch_model.bin / .pth read weights-only; Llama 3.x, SmolLM2, Qwen2.5, Qwen3, and Qwen3.5 / Qwen3.6 hybrid
-Gated DeltaNet models, text-only or the language model of a multimodal checkpoint) or a GGUF file
+pytorch_model.bin / .pth read weights-only; Llama 3.x, SmolLM2, Qwen2.5, Qwen3, and the hybrid Gated DeltaNet
+Qwen3.5 / Qwen3.6 (text-only or a multimodal checkpoint's language model) and dense-MLP Qwen3-Next) or a GGUF file
 (llama, qwen2); `weaver_jax.load(DST)` reads it.
 drafter: SRC is a DFlash drafter directory (published z-lab layout); `weaver_jax.load(TARGET,
 drafter=DST)` reads it. `--target-layers` gives the target's layer count when the drafter's config

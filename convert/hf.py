@@ -164,7 +164,7 @@ def load_hf_target(directory: str | Path, dtype: str = "float32", progress: bool
     return target_from_params(config, target_params_from_hf(config, tensors))
 
 
-HYBRID_FAMILIES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+HYBRID_FAMILIES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
 
 
 def hybrid_config_from_hf(cfg: Mapping, dtype: str = "float32"):
@@ -175,6 +175,13 @@ def hybrid_config_from_hf(cfg: Mapping, dtype: str = "float32"):
 
     text = cfg.get("text_config", cfg)
     layers = text["num_hidden_layers"]
+    experts, step = text.get("num_experts", 0) or 0, text.get("decoder_sparse_step", 1) or 1
+    sparse = [i for i in range(layers) if experts > 0 and i not in (text.get("mlp_only_layers") or [])
+              and (i + 1) % step == 0]
+    if sparse:
+        raise ValueError(f"mixture-of-experts MLPs are not supported yet: layers {sparse} are sparse "
+                         f"(num_experts={experts}); dense-MLP checkpoints (num_experts=0, or every layer in "
+                         "mlp_only_layers) convert")
     interval = text.get("full_attention_interval", 4)
     types = tuple(text.get("layer_types") or ("full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                               for i in range(layers)))
@@ -212,10 +219,12 @@ def hybrid_params_from_hf(config, tensors: Mapping[str, np.ndarray], prefix: str
                         dst + "mixer.q_norm": get(a + "q_norm.weight"), dst + "mixer.k_norm": get(a + "k_norm.weight")})
         else:
             g = src + "linear_attn."
-            out.update({dst + "mixer.in_qkv": get(g + "in_proj_qkv.weight").T,
-                        dst + "mixer.in_z": get(g + "in_proj_z.weight").T,
-                        dst + "mixer.in_b": get(g + "in_proj_b.weight").T,
-                        dst + "mixer.in_a": get(g + "in_proj_a.weight").T,
+            fused = g + "in_proj_qkvz.weight" in tensors  # Qwen3-Next: projections grouped by key head
+            qkv, z, b, a = (unfuse_qwen3_next(config, get(g + "in_proj_qkvz.weight"), get(g + "in_proj_ba.weight"))
+                            if fused else (get(g + "in_proj_qkv.weight"), get(g + "in_proj_z.weight"),
+                                           get(g + "in_proj_b.weight"), get(g + "in_proj_a.weight")))
+            out.update({dst + "mixer.in_qkv": qkv.T, dst + "mixer.in_z": z.T, dst + "mixer.in_b": b.T,
+                        dst + "mixer.in_a": a.T,
                         dst + "mixer.conv": get(g + "conv1d.weight")[:, 0], dst + "mixer.A_log": get(g + "A_log"),
                         dst + "mixer.dt_bias": get(g + "dt_bias"), dst + "mixer.norm": get(g + "norm.weight"),
                         dst + "mixer.out": get(g + "out_proj.weight").T})
@@ -228,8 +237,24 @@ def hybrid_params_from_hf(config, tensors: Mapping[str, np.ndarray], prefix: str
     return out
 
 
+def unfuse_qwen3_next(config, qkvz: np.ndarray, ba: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Qwen3-Next's fused GDN input projections (torch `[out, in]`, output rows grouped by key head: per
+    group q, k, then its value heads' v and z; b then a) -> Qwen3.5's separate ones (q of every head, k, v;
+    z; b; a), value head j in key group j // (H_v / H_k) as before."""
+    h_k, h_v = config.linear_num_key_heads, config.linear_num_value_heads
+    d_k, d_v, r = config.linear_key_head_dim, config.linear_value_head_dim, h_v // h_k
+    width = qkvz.shape[1]
+    if qkvz.shape[0] != h_k * (2 * d_k + 2 * r * d_v) or ba.shape[0] != 2 * h_v:
+        raise ValueError(f"in_proj_qkvz {qkvz.shape} / in_proj_ba {ba.shape} do not match {h_k} key heads of "
+                         f"{d_k} and {h_v} value heads of {d_v}")
+    q, k, v, z = np.split(qkvz.reshape(h_k, -1, width), np.cumsum([d_k, d_k, r * d_v]), axis=1)
+    b, a = np.split(ba.reshape(h_k, 2 * r, width), 2, axis=1)
+    rows = lambda x: x.reshape(-1, width)  # noqa: E731
+    return np.concatenate([rows(q), rows(k), rows(v)]), rows(z), rows(b), rows(a)
+
+
 def load_hf_hybrid(directory: str | Path, dtype: str = "float32", progress: bool = False):
-    """A Qwen3.5 Hugging Face directory -> `HybridTransformer` (shapes checked per tensor)."""
+    """A Qwen3.5 / Qwen3-Next Hugging Face directory -> `HybridTransformer` (shapes checked per tensor)."""
     from flax import nnx
 
     from weaver_jax._hybrid import HybridTransformer
@@ -238,7 +263,7 @@ def load_hf_hybrid(directory: str | Path, dtype: str = "float32", progress: bool
     directory = Path(directory)
     cfg = json.loads((directory / "config.json").read_text())
     if not set(cfg.get("architectures") or []) & set(HYBRID_FAMILIES):
-        raise ValueError(f"not a Qwen3.5 checkpoint: architectures {cfg.get('architectures')}")
+        raise ValueError(f"not a Qwen3.5 / Qwen3-Next checkpoint: architectures {cfg.get('architectures')}")
     config = hybrid_config_from_hf(cfg, dtype)
     tensors = read_weights(directory, progress)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in tensors) else "model."

@@ -122,6 +122,28 @@ def test_qwen3_5_matches_transformers_and_converts(tmp_path):
         hybrid_params_from_hf(config, {**tensors, "model.extra.weight": tensors["model.norm.weight"]})
 
 
+def test_qwen3_next_matches_transformers():
+    """Qwen3-Next differs in its fused GDN input projections (grouped by key head), which the import unfuses:
+    a tiny dense-MLP one made by transformers gives its logits (float32, as above); a mixture-of-experts config
+    is refused by name."""
+    import json
+    from pathlib import Path
+
+    import pytest
+
+    from weaver_jax.convert.hf import hybrid_config_from_hf
+
+    directory = Path(__file__).parent / "fixtures" / "hf" / "qwen3_next"
+    ref = np.load(directory / "reference.npz")
+    ids = jnp.asarray(ref["ids"])
+    model = weaver_jax.load(directory, dtype="float32").target
+    logits, _ = prefill(model, ids, model.init_cache(*ids.shape), jnp.full((ids.shape[0],), ids.shape[1]))
+    np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-5)
+    config = json.loads((directory / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"mixture-of-experts MLPs are not supported yet: layers \[0, 1, 2, 3\]"):
+        hybrid_config_from_hf({**config, "num_experts": 8})
+
+
 HYBRID_METHODS = [("dflash", {}), ("ddtree", {"budget": 6}), ("weaver", {"budget": 6, "expansions_per_call": 2})]
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3]]
 
