@@ -16,7 +16,7 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
   row_invariant: exact mode's matrix product and attention, whose value for a row does not depend on
     the other rows. Used by the target's forward with `exact=True`, whatever the selection below.
   tree_gdn: a Gated DeltaNet layer's tree verification (every node along its own path, no per-node
-    state) for hybrid targets; not used by a model yet (issue 20).
+    state) for hybrid targets. Used by their GDN layers when selected; not on by default until timed.
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
 `WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off. By default, where jax's backend is a GPU,
@@ -37,9 +37,9 @@ import jax.numpy as jnp
 
 # A masked attention score: finite, so exp(MASKED_SCORE - m) is 0 without NaNs (shared by the kernels)
 MASKED_SCORE = 0.7 * float(jnp.finfo(jnp.float32).min)
-KERNELS = ("tree_attention", "accept_commit", "adapter_attention", "weaver_search")
+KERNELS = ("tree_attention", "accept_commit", "adapter_attention", "weaver_search", "tree_gdn")
 MEASURED = ("tree_attention", "accept_commit", "adapter_attention")  # on by default on GPUs: each measured
-# faster than XLA there (BENCHMARKS.md); weaver_search joins once measured
+# faster than XLA there (BENCHMARKS.md); weaver_search and tree_gdn join once measured
 _forced: bool | None = None
 _scoped: list[tuple[str, ...]] = []
 

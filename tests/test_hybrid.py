@@ -94,12 +94,14 @@ def test_qwen3_5_matches_transformers_and_converts(tmp_path):
     its Hugging Face directory: logits equal transformers' (float32: measured 2e-7 apart at logits of std
     0.16; the tolerance leaves float32 rounding through 4 layers 50x room), and greedy generation after a
     70-token prompt (a two-chunk prefill, then decode steps) gives transformers' 16 tokens. `weaver-convert
-    target` writes a checkpoint that loads back to the same logits. A missing or an extra tensor is named."""
+    target` writes a checkpoint that loads back to the same logits, and with a drafter and an adapter beside it
+generates the same tokens by dflash. A missing or an extra tensor is named."""
     import json
     from pathlib import Path
 
     import pytest
 
+    from weaver_jax.convert import checkpoint
     from weaver_jax.convert.cli import main as convert
     from weaver_jax.convert.hf import hybrid_config_from_hf, hybrid_params_from_hf, read_weights
 
@@ -114,6 +116,13 @@ def test_qwen3_5_matches_transformers_and_converts(tmp_path):
         np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-5)
     out = weaver_jax.generate(bundle, ref["prompt"].tolist(), max_new_tokens=16, eos_token_id=[])
     assert out.tokens == ref["greedy"].tolist()
+    # a drafter (target layer ids over the hybrid stack) and an adapter, saved and loaded beside the converted target
+    parts = random_bundle(0, vocab_size=256, hidden_size=64, num_layers=4, block_size=4)
+    checkpoint.save(tmp_path / "drafter", parts.drafter)
+    checkpoint.save(tmp_path / "adapter", parts.adapter)
+    full = weaver_jax.load(tmp_path / "converted", drafter=tmp_path / "drafter", adapter=tmp_path / "adapter")
+    spec = weaver_jax.generate(full, ref["prompt"].tolist(), method="dflash", max_new_tokens=16, eos_token_id=[])
+    assert spec.tokens == out.tokens
     tensors = read_weights(directory)
     config = hybrid_config_from_hf(json.loads((directory / "config.json").read_text()))
     with pytest.raises(ValueError, match="missing tensor model.layers.0.linear_attn.A_log"):
@@ -151,7 +160,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3]]
 def test_every_method_greedy_equals_autoregressive_on_a_hybrid_target():
     """Ragged batch, a random drafter for every method; then a corrupted oracle drafter (long accepted paths
     folded into the GDN states, rejections mid-path) with the acceptance kernel, which moves the attention
-    layers' K/V in place and must leave the GDN states to the target's commit."""
+    layers' K/V in place and must leave the GDN states to the target's commit, and the tree-GDN kernel."""
     rb = random_bundle(0, family="qwen3_5", block_size=4)
     ar = weaver_jax.generate(rb, PROMPTS, max_new_tokens=16, eos_token_id=[])
     for method, options in HYBRID_METHODS:
@@ -159,7 +168,7 @@ def test_every_method_greedy_equals_autoregressive_on_a_hybrid_target():
         assert spec.tokens == ar.tokens, method
     oracle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4, corrupt=True),
                                adapter=rb.adapter)
-    with kernel_scope(("accept_commit",)):
+    with kernel_scope(("accept_commit", "tree_gdn")):
         spec = weaver_jax.generate(oracle, PROMPTS, method="weaver", max_new_tokens=16, eos_token_id=[],
                                    **dict(HYBRID_METHODS)["weaver"])
     assert spec.tokens == ar.tokens

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from weaver_jax._model import causal_attend
+from weaver_jax.pallas_kernels import interpret, kernels_enabled
 
 
 class TreeTerms(NamedTuple):
@@ -247,7 +248,14 @@ class GatedDeltaNet(nnx.Module):
         mixed = x @ self.in_qkv[...]
         path = position_path(depth, jnp.zeros((b,), jnp.int32), ancestors)
         q, k, v, g, beta = self._inputs(x, conv_tree(mixed, state.conv, self.conv[...], path, depth))
-        o, terms = gated_delta_tree(q, k, v, g, beta, state.recurrent, ancestors)
+        # the kernel's tiles need head dims 2^k >= 16; levels: T - 1, enough for any tree of T nodes
+        if kernels_enabled("tree_gdn") and all(d >= 16 and d & (d - 1) == 0 for d in self.heads[2:]):
+            from weaver_jax.pallas_kernels.tree_gdn import tree_gdn
+
+            o, u, prefix = tree_gdn(q, k, v, g, beta, state.recurrent, ancestors, interpret=interpret())
+            terms = TreeTerms(u, prefix, _per_value_head(q, k, v, g, beta)[1])
+        else:
+            o, terms = gated_delta_tree(q, k, v, g, beta, state.recurrent, ancestors)
         return self._output(x, o), GDNPending(terms, mixed)
 
     def commit(self, state: GDNState, pending: GDNPending, path_nodes, length) -> GDNState:

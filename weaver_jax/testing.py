@@ -37,6 +37,7 @@ def random_hybrid_config(*, vocab_size: int = 128, hidden_size: int = 32, num_la
         layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
                             for i in range(num_layers))
     return dict(vocab_size=vocab_size, hidden_size=hidden_size, layer_types=tuple(layer_types),
+                linear_key_head_dim=16, linear_value_head_dim=16,  # the smallest the tree-GDN kernel takes
                 max_seq_len=max_seq_len, tie_embeddings=tie_embeddings, dtype=dtype)
 
 
