@@ -28,8 +28,13 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
+from weaver_jax._hybrid import qwen3_6_27b  # noqa: E402
 
-SHAPES = {"qwen3-8b": wj.qwen3_8b, "smollm2-135m": wj.smollm2_135m}
+SHAPES = {"qwen3-8b": wj.qwen3_8b, "smollm2-135m": wj.smollm2_135m,
+          # hybrid Gated DeltaNet targets: the real shape, and a narrow one of the same schedule (a CPU check)
+          "qwen3.6-27b": qwen3_6_27b,
+          "hybrid-tiny": lambda dtype: qwen3_6_27b(dtype, vocab_size=1024, hidden_size=256, intermediate_size=512,
+                                                   num_heads=4, head_dim=64, layer_types=qwen3_6_27b().layer_types[:4])}
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -42,8 +47,9 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
-def random_target(config: wj.ModelConfig) -> wj.Transformer:
-    return random_module(lambda: wj.Transformer(config, rngs=nnx.Rngs(0)))
+def random_target(config: wj.ModelConfig | wj.HybridConfig) -> wj.Transformer | wj.HybridTransformer:
+    kind = wj.HybridTransformer if isinstance(config, wj.HybridConfig) else wj.Transformer
+    return random_module(lambda: kind(config, rngs=nnx.Rngs(0)))
 
 
 def random_module(make):
@@ -58,11 +64,11 @@ def random_module(make):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, made))
 
 
-def weight_matrices(target: wj.Transformer) -> list[jax.Array]:
-    mats = [target.embed[...] if target.lm_head is None else target.lm_head[...]]
-    for layer in target.layers:
-        mats += [layer.attn.qkv[...], layer.attn.out[...], layer.mlp.gate_up[...], layer.mlp.down[...]]
-    return mats
+def weight_matrices(target) -> list[jax.Array]:
+    """Every weight matrix a decode step reads, the LM head first (the embedding when tied); the embedding
+    otherwise is left out (a step reads one row of it)."""
+    head = target.embed[...] if target.lm_head is None else target.lm_head[...]
+    return [head] + [p[...] for path, p in nnx.iter_graph(target.layers) if isinstance(p, nnx.Param) and p.ndim == 2]
 
 
 def _looped_seconds(body, init, weights, n: int, repeats: int, compiler_options: dict | None = None) -> float:
@@ -114,7 +120,7 @@ def decode_seconds(target, batch: int, context: int, cache_size: int, new_tokens
     keys = wj.sequence_keys(0, batch)
 
     def run(n):
-        cache = wj.KVCache.init(config, batch, cache_size)
+        cache = target.init_cache(batch, cache_size)
         out = wj.ar_generate(params, cache, prompts, lengths, keys, graphdef=graphdef, max_new_tokens=n)
         return out.tokens
 
@@ -126,7 +132,7 @@ def decode_seconds(target, batch: int, context: int, cache_size: int, new_tokens
 def kernels_per_step(target, batch: int, context: int, cache_size: int) -> int:
     """Kernels launched per decode step: fusions and custom calls in the compiled while-loop body."""
     graphdef, params = nnx.split(target)
-    cache = wj.KVCache.init(target.config, batch, cache_size)
+    cache = target.init_cache(batch, cache_size)
     prompts = jnp.zeros((batch, context), jnp.int32)
     text = wj.ar_generate.lower(params, cache, prompts, jnp.full((batch,), context, jnp.int32),
                                 wj.sequence_keys(0, batch), graphdef=graphdef, max_new_tokens=2).compile().as_text()
@@ -137,7 +143,6 @@ def kernels_per_step(target, batch: int, context: int, cache_size: int) -> int:
 
 def step_seconds(target, batch: int, context: int, cache_size: int, repeats: int) -> float:
     """One jitted decode step (forward T=1 + argmax) called from Python, cache donated."""
-    config = target.config
     graphdef, params = nnx.split(target)
 
     @jax.jit
@@ -146,7 +151,7 @@ def step_seconds(target, batch: int, context: int, cache_size: int, repeats: int
         return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), out.cache
 
     step = jax.jit(step, donate_argnums=1)
-    cache = wj.KVCache.init(config, batch, cache_size).with_lengths(jnp.full((batch,), context))
+    cache = target.init_cache(batch, cache_size).with_lengths(jnp.full((batch,), context))
     tokens = jnp.zeros((batch,), jnp.int32)
     for _ in range(3):
         tokens, cache = step(params, cache, tokens)

@@ -140,7 +140,7 @@ def main():
 
     def caches(context):  # room for the longest tree past the prefix
         size = -(-(context + max(args.nodes + args.budgets) + 1) // 128) * 128
-        return (wj.KVCache.init(config, b, size).with_lengths(jnp.full((b,), context)),
+        return (target.init_cache(b, size).with_lengths(jnp.full((b,), context)),
                 drafter.init_cache(b, size).with_lengths(jnp.full((b,), context)))
 
     def weaver_build(budget):
