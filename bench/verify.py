@@ -71,11 +71,13 @@ def verify_body(graphdef, tree: Tree, vocab: int):
     into the cache in place, as generate's loop writes them. (A cache passed as a loop-invariant
     operand instead is copied whole before each layer's write: 1.2 ms a forward at 16K for Qwen3-8B.)"""
     attend = tree.ancestors()
+    max_depth = int(jnp.max(tree.depth))  # static, as a round knows it (a hybrid target's GDN kernel reads it)
 
     def body(carry, params):
         token, cache = carry
         tokens = (tree.tokens + token[:, None]) % vocab
-        out = nnx.merge(graphdef, params)(tokens, cache.lengths[:, None] + tree.depth, cache, attend)
+        out = nnx.merge(graphdef, params)(tokens, cache.lengths[:, None] + tree.depth, cache, attend,
+                                          max_depth=max_depth)
         return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), out.cache
 
     return body

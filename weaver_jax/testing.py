@@ -94,8 +94,6 @@ def rounding_explanation(target: Transformer, reference: Transformer, prompt: li
     import jax.numpy as jnp
     import numpy as np
 
-    from weaver_jax._model import KVCache
-
     i = next(j for j, (a, b) in enumerate(zip(ar + [-1], other + [-2], strict=False)) if a != b)
     if i >= min(len(ar), len(other)):  # one stopped first (EOS or length) after equal tokens
         return dict(first_difference=i, explained=False, note="lengths differ")
@@ -104,7 +102,7 @@ def rounding_explanation(target: Transformer, reference: Transformer, prompt: li
     ids = jnp.asarray(np.pad(context, (0, width - len(context)))[None], jnp.int32)
 
     def logits(model):
-        out = model(ids, jnp.arange(width)[None], KVCache.init(model.config, 1, width),
+        out = model(ids, jnp.arange(width)[None], model.init_cache(1, width),
                     logits_rows=jnp.asarray([[len(context) - 1]]))
         return np.asarray(out.logits[0, 0], np.float64)
 
