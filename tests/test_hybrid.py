@@ -3,8 +3,12 @@ sequence (ragged batch); every node of a verified tree has the logits of the pre
 and committing a path leaves the cache (K/V and GDN states) a prefill of that path leaves; every
 speculative method generates `ar`'s tokens with it (greedy, seeded sampling) and its distribution."""
 
+import json
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import weaver_jax
@@ -89,40 +93,45 @@ def test_tree_nodes_equal_their_paths_and_commit_equals_prefill():
         np.testing.assert_allclose(got.conv[0], want.conv[row], **TOL)
 
 
-def test_qwen3_5_matches_transformers_and_converts(tmp_path):
-    """A tiny random Qwen3.5 text model made by transformers (tests/fixtures/make_fixtures.py), loaded from
-    its Hugging Face directory: logits equal transformers' (float32: measured 2e-7 apart at logits of std
-    0.16; the tolerance leaves float32 rounding through 4 layers 50x room), and greedy generation after a
-    70-token prompt (a two-chunk prefill, then decode steps) gives transformers' 16 tokens. `weaver-convert
-    target` writes a checkpoint that loads back to the same logits, and with a drafter and an adapter beside it
-generates the same tokens by dflash. A missing or an extra tensor is named."""
-    import json
-    from pathlib import Path
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
-    import pytest
 
-    from weaver_jax.convert import checkpoint
-    from weaver_jax.convert.cli import main as convert
-    from weaver_jax.convert.hf import hybrid_config_from_hf, hybrid_params_from_hf, read_weights
-
-    directory = Path(__file__).parent / "fixtures" / "hf" / "qwen3_5"
+def assert_matches_transformers(directory: Path, *models) -> weaver_jax.Bundle:
+    """A tiny random hybrid made by transformers (tests/fixtures/make_fixtures.py), loaded from its Hugging
+    Face directory (and any `models` converted from it): logits equal transformers' (float32: measured 2e-7
+    apart at logits of std 0.16; the tolerance leaves float32 rounding through 4 layers 50x room), and greedy
+    generation after a 70-token prompt (a two-chunk prefill, then decode steps) gives transformers' 16 tokens."""
     ref = np.load(directory / "reference.npz")
     ids = jnp.asarray(ref["ids"])
     bundle = weaver_jax.load(directory, dtype="float32")
-    assert convert(["target", str(directory), str(tmp_path / "converted")]) == 0
-    converted = weaver_jax.load(tmp_path / "converted")
-    for model in (bundle.target, converted.target):
+    for model in (bundle.target, *models):
         logits, _ = prefill(model, ids, model.init_cache(*ids.shape), jnp.full((ids.shape[0],), ids.shape[1]))
         np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-5)
     out = weaver_jax.generate(bundle, ref["prompt"].tolist(), max_new_tokens=16, eos_token_id=[])
     assert out.tokens == ref["greedy"].tolist()
+    return bundle
+
+
+def test_qwen3_5_matches_transformers_and_converts(tmp_path):
+    """Qwen3.5 matches transformers (`assert_matches_transformers`); `weaver-convert target` writes a checkpoint
+    that loads back to the same logits, and with a drafter and an adapter beside it generates the same tokens
+    by dflash. A missing or an extra tensor is named."""
+    from weaver_jax.convert import checkpoint
+    from weaver_jax.convert.cli import main as convert
+    from weaver_jax.convert.hf import hybrid_config_from_hf, hybrid_params_from_hf, read_weights
+
+    directory = FIXTURES / "qwen3_5"
+    assert convert(["target", str(directory), str(tmp_path / "converted")]) == 0
+    bundle = assert_matches_transformers(directory, weaver_jax.load(tmp_path / "converted").target)
+    prompt = np.load(directory / "reference.npz")["prompt"].tolist()
     # a drafter (target layer ids over the hybrid stack) and an adapter, saved and loaded beside the converted target
     parts = random_bundle(0, vocab_size=256, hidden_size=64, num_layers=4, block_size=4)
     checkpoint.save(tmp_path / "drafter", parts.drafter)
     checkpoint.save(tmp_path / "adapter", parts.adapter)
     full = weaver_jax.load(tmp_path / "converted", drafter=tmp_path / "drafter", adapter=tmp_path / "adapter")
-    spec = weaver_jax.generate(full, ref["prompt"].tolist(), method="dflash", max_new_tokens=16, eos_token_id=[])
-    assert spec.tokens == out.tokens
+    ar = weaver_jax.generate(bundle, prompt, max_new_tokens=16, eos_token_id=[])
+    spec = weaver_jax.generate(full, prompt, method="dflash", max_new_tokens=16, eos_token_id=[])
+    assert spec.tokens == ar.tokens
     tensors = read_weights(directory)
     config = hybrid_config_from_hf(json.loads((directory / "config.json").read_text()))
     with pytest.raises(ValueError, match="missing tensor model.layers.0.linear_attn.A_log"):
@@ -133,21 +142,12 @@ generates the same tokens by dflash. A missing or an extra tensor is named."""
 
 def test_qwen3_next_matches_transformers():
     """Qwen3-Next differs in its fused GDN input projections (grouped by key head), which the import unfuses:
-    a tiny dense-MLP one made by transformers gives its logits (float32, as above); a mixture-of-experts config
-    is refused by name."""
-    import json
-    from pathlib import Path
-
-    import pytest
-
+    a tiny dense-MLP one matches transformers (`assert_matches_transformers`); a mixture-of-experts config is
+    refused by name."""
     from weaver_jax.convert.hf import hybrid_config_from_hf
 
-    directory = Path(__file__).parent / "fixtures" / "hf" / "qwen3_next"
-    ref = np.load(directory / "reference.npz")
-    ids = jnp.asarray(ref["ids"])
-    model = weaver_jax.load(directory, dtype="float32").target
-    logits, _ = prefill(model, ids, model.init_cache(*ids.shape), jnp.full((ids.shape[0],), ids.shape[1]))
-    np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-5)
+    directory = FIXTURES / "qwen3_next"
+    assert_matches_transformers(directory)
     config = json.loads((directory / "config.json").read_text())
     with pytest.raises(ValueError, match=r"mixture-of-experts MLPs are not supported yet: layers \[0, 1, 2, 3\]"):
         hybrid_config_from_hf({**config, "num_experts": 8})
