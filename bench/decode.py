@@ -28,13 +28,13 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
-from weaver_jax._hybrid import qwen3_6_27b  # noqa: E402
+from weaver_jax._hybrid import qwen3_6_27b, qwen_layer_types  # noqa: E402
 
 SHAPES = {"qwen3-8b": wj.qwen3_8b, "smollm2-135m": wj.smollm2_135m,
           # hybrid Gated DeltaNet targets: the real shape, and a narrow one of the same schedule (a CPU check)
           "qwen3.6-27b": qwen3_6_27b,
           "hybrid-tiny": lambda dtype: qwen3_6_27b(dtype, vocab_size=1024, hidden_size=256, intermediate_size=512,
-                                                   num_heads=4, head_dim=64, layer_types=qwen3_6_27b().layer_types[:4])}
+                                                   num_heads=4, head_dim=64, layer_types=qwen_layer_types(4))}
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -81,12 +81,11 @@ def _looped_seconds(body, init, weights, n: int, repeats: int, compiler_options:
     return (long - short) / n
 
 
-def floor_seconds(target: wj.Transformer, batch: int, repeats: int, mats: list | None = None) -> dict:
+def floor_seconds(target, batch: int, repeats: int) -> dict:
     """Two floors over the same weights, each inside a loop as decode is:
     `matvec`: one `x @ W` per weight matrix (the issue's definition; the LM head as in the model);
-    `read`: one fused sum over each weight matrix (pure streaming, no matrix unit).
-    mats: the matrices a step reads (default: `weight_matrices(target)`)."""
-    mats = weight_matrices(target) if mats is None else mats
+    `read`: one fused sum over each weight matrix (pure streaming, no matrix unit)."""
+    mats = weight_matrices(target)
     tied = target.lm_head is None
     d = target.config.hidden_size
 

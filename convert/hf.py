@@ -171,7 +171,7 @@ def hybrid_config_from_hf(cfg: Mapping, dtype: str = "float32"):
     """Translate a Qwen3.5 `config.json` dict (the text model's, or a multimodal one's `text_config`)
     to a `HybridConfig`; `layer_types` as given, else full attention at every
     `full_attention_interval`-th layer (transformers' default schedule)."""
-    from weaver_jax._hybrid import HybridConfig
+    from weaver_jax._hybrid import HybridConfig, qwen_layer_types
 
     text = cfg.get("text_config", cfg)
     layers = text["num_hidden_layers"]
@@ -182,9 +182,7 @@ def hybrid_config_from_hf(cfg: Mapping, dtype: str = "float32"):
         raise ValueError(f"mixture-of-experts MLPs are not supported yet: layers {sparse} are sparse "
                          f"(num_experts={experts}); dense-MLP checkpoints (num_experts=0, or every layer in "
                          "mlp_only_layers) convert")
-    interval = text.get("full_attention_interval", 4)
-    types = tuple(text.get("layer_types") or ("full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                              for i in range(layers)))
+    types = tuple(text.get("layer_types") or qwen_layer_types(layers, text.get("full_attention_interval", 4)))
     if len(types) != layers:
         raise ValueError(f"layer_types lists {len(types)} layers for num_hidden_layers={layers}")
     rope = text.get("rope_parameters") or {}

@@ -191,3 +191,11 @@ def test_hybrid_sampling_is_seed_identical_and_has_the_autoregressive_distributi
     out = weaver_jax.generate(small, [prompt] * n, method="dflash", max_new_tokens=3, eos_token_id=[],
                               seed=list(range(n)), temperature=1.0)
     assert_three_token_distribution(out.tokens, exact)
+
+
+def test_a_target_without_attention_layers():
+    """All Gated DeltaNet (no K/V, so no slots to bound the cache): plain and speculative decoding still agree."""
+    rb = random_bundle(3, family="qwen3_5", layer_types=("linear_attention", "linear_attention"), block_size=4)
+    ar = weaver_jax.generate(rb, PROMPTS, max_new_tokens=6, eos_token_id=[])
+    assert weaver_jax.generate(rb, PROMPTS, method="ddtree", budget=4, max_new_tokens=6, eos_token_id=[]).tokens \
+        == ar.tokens

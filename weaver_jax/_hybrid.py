@@ -190,7 +190,7 @@ class HybridTransformer(nnx.Module):
                              "targets; use exact=False")
         if any(not 0 <= i < self.config.num_layers for i in hidden_layers):
             raise ValueError(f"hidden_layers {hidden_layers} outside [0, {self.config.num_layers})")
-        mask = visibility_mask(cache.lengths, attend, cache.size)
+        mask = visibility_mask(cache.lengths, attend, cache.size) if cache.k else None  # attention layers only
         x = jnp.take(self.embed[...], tokens, axis=0)
         ks, vs, results, hidden = list(cache.k), list(cache.v), [], {}
         a = 0
@@ -245,13 +245,19 @@ class HybridTransformer(nnx.Module):
         return dataclasses.replace(cache, gdn=states, lengths=cache.lengths + count)
 
 
+def qwen_layer_types(num_layers: int, interval: int = 4) -> tuple[str, ...]:
+    """Qwen's hybrid schedule (transformers' default): full attention at every `interval`-th layer, Gated
+    DeltaNet elsewhere."""
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
+
+
 def qwen3_6_27b(dtype: str = "bfloat16", **changes) -> HybridConfig:
     """The Qwen3.6-27B (= Qwen3.5-27B) text shape: 64 layers, every fourth full attention (24 query / 4 K/V
     heads of 256, a quarter rotated), the other 48 Gated DeltaNet (16 key / 48 value heads of 128, conv 4),
     width 5120, MLP 17408, vocabulary 248320, LM head untied. For benchmarks with random weights."""
     return HybridConfig(**{**dict(
         vocab_size=248_320, hidden_size=5120, intermediate_size=17_408,
-        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)),
+        layer_types=qwen_layer_types(64),
         num_heads=24, num_kv_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
         linear_key_head_dim=128, linear_value_head_dim=128, dtype=dtype), **changes})
 

@@ -7,7 +7,7 @@ from flax import nnx
 from weaver_jax._adapter import Adapter, random_adapter_config
 from weaver_jax._config import ModelConfig, RopeScaling
 from weaver_jax._drafter import Drafter, random_drafter_config
-from weaver_jax._hybrid import random_hybrid
+from weaver_jax._hybrid import qwen_layer_types, random_hybrid
 from weaver_jax._load import Bundle
 from weaver_jax._model import Transformer
 
@@ -32,11 +32,8 @@ def random_hybrid_config(*, vocab_size: int = 128, hidden_size: int = 32, num_la
                          tie_embeddings: bool = False, dtype: str = "float32") -> dict:
     """`random_hybrid`'s options for a small Qwen3.5-style target: Qwen's schedule (every fourth layer
     full attention, the last one if there are fewer) unless `layer_types` is given."""
-    if layer_types is None:
-        interval = min(4, num_layers)
-        layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                            for i in range(num_layers))
-    return dict(vocab_size=vocab_size, hidden_size=hidden_size, layer_types=tuple(layer_types),
+    return dict(vocab_size=vocab_size, hidden_size=hidden_size,
+                layer_types=tuple(layer_types or qwen_layer_types(num_layers, min(4, num_layers))),
                 linear_key_head_dim=16, linear_value_head_dim=16,  # the smallest the tree-GDN kernel takes
                 max_seq_len=max_seq_len, tie_embeddings=tie_embeddings, dtype=dtype)
 
