@@ -1,8 +1,9 @@
 """Issue 20 on the H200: one Gated DeltaNet layer's tree verification at the Qwen3.6-27B shape (16 key /
-48 value heads of 128), the Pallas kernel (`pallas_kernels.tree_gdn`, `levels` = 15: a 16-token drafter
-block's deepest node) against its XLA form (`_gdn.gated_delta_tree`), per N nodes of a random tree.
+48 value heads of 128), the Pallas kernel (`pallas_kernels.tree_gdn`, `block_v` value columns per program)
+against its XLA form (`_gdn.gated_delta_tree`), per N nodes of a random tree of depth <= 15 (a 16-token
+drafter block's deepest node).
 
-    python bench/hybrid.py --json out.json [--nodes 17 65 129] [--batch 1 8]
+    python bench/hybrid.py --json out.json [--nodes 17 65 129] [--batch 1 8] [--block-v 32 64]
 
 Each is timed per iteration of a `fori_loop` whose carried state feeds the next iteration
 (`decode._looped_seconds`). The rest of the shape's figures come from the dense targets' scripts, which take
@@ -13,6 +14,7 @@ the hybrid shape: `bench/decode.py --shape qwen3.6-27b` (a decode step against t
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 from pathlib import Path
@@ -33,7 +35,7 @@ from weaver_jax.pallas_kernels.tree_gdn import tree_gdn  # noqa: E402
 DEPTH = 15
 
 
-def gdn_seconds(config, batch: int, nodes: int, repeats: int) -> dict:
+def gdn_seconds(config, batch: int, nodes: int, block_vs: list[int], repeats: int) -> dict:
     """One GDN layer's tree verification, XLA form against the kernel, the state carried."""
     h_k, h_v, d_k, d_v = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                           config.linear_value_head_dim)
@@ -43,30 +45,71 @@ def gdn_seconds(config, batch: int, nodes: int, repeats: int) -> dict:
     v = jax.random.normal(keys[2], (batch, nodes, h_v, d_v))
     g = -jax.nn.softplus(jax.random.normal(keys[3], (batch, nodes, h_v)))
     beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, nodes, h_v)))
-    levels = min(DEPTH, nodes - 1)
-    ancestors = random_tree(batch, nodes, levels, 2).ancestors()
+    ancestors = random_tree(batch, nodes, min(DEPTH, nodes - 1), 2).ancestors()
     state = jnp.zeros((batch, h_v, d_k, d_v), jnp.float32)
     inputs = (q, k, v, g, beta, ancestors)
     forms = {"xla": lambda s, x: _gdn.gated_delta_tree(*x[:5], s, x[5])[0],
-             "kernel": lambda s, x: tree_gdn(*x[:5], s, x[5], levels=levels, interpret=interpret())[0]}
+             **{f"kernel_{bv}": lambda s, x, bv=bv: tree_gdn(*x[:5], s, x[5], block_v=bv, interpret=interpret())[0]
+                for bv in block_vs}}
     return {f"{name}_us": 1e6 * bench._looped_seconds(  # the carry: the state nudged by the output
         lambda s, x, f=f: s + 1e-9 * f(s, x)[:, :1, :, None, :1].sum(1), state, inputs, 32, repeats)
         for name, f in forms.items()}
+
+
+def kernel_profile(config, nodes: int, precisions: list[str]) -> list[dict]:
+    """GPU time per kernel of one tree-GDN call (B = 1) from a profiler trace, per dot precision of the
+    kernel (`tree_gdn._IEEE`, read when traced): where the kernel's time goes."""
+    from kernel_times import gpu_events
+
+    from weaver_jax.pallas_kernels import tree_gdn as module
+
+    h_k, h_v, d_k, d_v = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+                          config.linear_value_head_dim)
+    keys = jax.random.split(jax.random.key(2), 5)
+    args = (_gdn.l2_normalize(jax.random.normal(keys[0], (1, nodes, h_k, d_k))) * d_k ** -0.5,
+            _gdn.l2_normalize(jax.random.normal(keys[1], (1, nodes, h_k, d_k))),
+            jax.random.normal(keys[2], (1, nodes, h_v, d_v)),
+            -jax.nn.softplus(jax.random.normal(keys[3], (1, nodes, h_v))),
+            jax.nn.sigmoid(jax.random.normal(keys[4], (1, nodes, h_v))), jnp.zeros((1, h_v, d_k, d_v), jnp.float32),
+            random_tree(1, nodes, min(DEPTH, nodes - 1), 2).ancestors())
+    rows = []
+    for precision in precisions:
+        module._IEEE = getattr(jax.lax.Precision, precision)
+        run = jax.jit(lambda *a: module.tree_gdn.__wrapped__(*a, interpret=interpret()))
+        jax.block_until_ready(run(*args))
+        for name, op, us in gpu_events(lambda run=run: [run(*args) for _ in range(4)][-1]):
+            rows.append(dict(nodes=nodes, precision=precision, kernel=name, op=op, us=us / 4))
+    return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--nodes", type=int, nargs="+", default=[17, 65, 129])
+    parser.add_argument("--block-v", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--profile", nargs="*", metavar="PRECISION",
+                        help="instead: GPU time per kernel of one call at each --nodes, per dot precision "
+                             "(HIGHEST, DEFAULT)")
     args = parser.parse_args()
     config, rows = qwen3_6_27b(), []
+    if args.profile is not None:
+        for n in args.nodes:
+            rows += kernel_profile(config, n, args.profile or ["HIGHEST"])
+        summary = collections.defaultdict(float)
+        for r in rows:
+            summary[r["nodes"], r["precision"], r["kernel"]] += r["us"]
+        for key, us in summary.items():
+            print(*key, f"{us:.1f} us", flush=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+        return
     for batch in args.batch:
         for n in args.nodes:
-            row = dict(shape="qwen3.6-27b", batch=batch, nodes=n, levels=min(DEPTH, n - 1),
-                       **gdn_seconds(config, batch, n, args.repeats), device=jax.devices()[0].device_kind)
-            row["kernel_vs_xla"] = row["xla_us"] / row["kernel_us"]
+            row = dict(shape="qwen3.6-27b", batch=batch, nodes=n, **gdn_seconds(config, batch, n, args.block_v,
+                                                                             args.repeats),
+                       device=jax.devices()[0].device_kind)
+            row["kernel_vs_xla"] = row["xla_us"] / min(row[f"kernel_{bv}_us"] for bv in args.block_v)
             rows.append(row)
             print(json.dumps(row), flush=True)
             args.json.write_text(json.dumps(rows, indent=1))

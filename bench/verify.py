@@ -39,7 +39,7 @@ from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E40
 from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
 from weaver_jax._speculative import DEFAULT_POOL, accept_and_move, build_tree, node_choices  # noqa: E402
 from weaver_jax._tree import Tree  # noqa: E402
-from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
+from weaver_jax.pallas_kernels import KERNELS, MEASURED, kernel_scope  # noqa: E402
 
 TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=16, qk_norm=True, family="qwen3")
@@ -71,16 +71,20 @@ def verify_body(graphdef, tree: Tree, vocab: int):
     into the cache in place, as generate's loop writes them. (A cache passed as a loop-invariant
     operand instead is copied whole before each layer's write: 1.2 ms a forward at 16K for Qwen3-8B.)"""
     attend = tree.ancestors()
-    max_depth = int(jnp.max(tree.depth))  # static, as a round knows it (a hybrid target's GDN kernel reads it)
 
     def body(carry, params):
         token, cache = carry
         tokens = (tree.tokens + token[:, None]) % vocab
-        out = nnx.merge(graphdef, params)(tokens, cache.lengths[:, None] + tree.depth, cache, attend,
-                                          max_depth=max_depth)
+        out = nnx.merge(graphdef, params)(tokens, cache.lengths[:, None] + tree.depth, cache, attend)
         return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), out.cache
 
     return body
+
+
+def kernel_selection(spec: str) -> tuple[str, ...]:
+    """'off', 'on', 'measured' or names joined by '+' (the first may be 'measured') -> kernel names."""
+    named = {"off": (), "on": KERNELS, "measured": MEASURED}
+    return tuple(dict.fromkeys(k for part in spec.split("+") for k in named.get(part, (part,))))
 
 
 def main():
@@ -88,8 +92,9 @@ def main():
     parser.add_argument("--shape", choices=[*sorted(bench.SHAPES), "tiny"], default="qwen3-8b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
-    parser.add_argument("--kernels", choices=["off", "on"], nargs="+", default=["off"],
-                        help="target attention through XLA (off) and/or the Pallas tree-attention kernel (on)")
+    parser.add_argument("--kernels", nargs="+", default=["off"],
+                        help="kernel selections, each in turn: off (XLA only), on (every kernel), measured (the GPU "
+                             "default) or names joined by '+', e.g. measured+tree_gdn")
     parser.add_argument("--stages", choices=["verify", "tree", "round"], nargs="+", default=["verify", "tree", "round"])
     parser.add_argument("--methods", choices=["weaver", "dflash", "ddtree"], nargs="+",
                         default=["weaver", "dflash", "ddtree"], help="methods of the round stage")
@@ -175,7 +180,7 @@ def main():
         _model._write = CACHE_WRITES[write]  # looked up when the target's forward is traced
         cache, dcache = caches(context)
         for kernels in args.kernels:
-            with kernel_scope(KERNELS if kernels == "on" else ()):
+            with kernel_scope(kernel_selection(kernels)):
                 # plain decoding's step, compiled as ar_generate is (XLA's defaults)
                 step = loop(verify_body(graphdef, random_tree(b, 1, 0, config.vocab_size), config.vocab_size),
                             (start, cache), params)

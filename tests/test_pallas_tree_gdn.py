@@ -17,8 +17,8 @@ from .test_gdn import random_inputs
 from .test_pallas_row_invariant import random_paths
 
 
-@pytest.mark.parametrize("b,nodes", [(2, 1), (1, 13), (2, 20)])
-def test_kernel_matches_reference(b, nodes):
+@pytest.mark.parametrize("b,nodes,block_v", [(2, 1, 16), (1, 13, 16), (2, 37, 32)])
+def test_kernel_matches_reference(b, nodes, block_v):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     q, k, v, g, beta, state = random_inputs(rng, b, nodes)
@@ -27,24 +27,23 @@ def test_kernel_matches_reference(b, nodes):
     k = np.float32(k / np.linalg.norm(k, axis=-1, keepdims=True))
     g, beta = np.float32(0.05 * g), np.float32(0.5 + 0.5 * beta)
     ancestors = np.zeros((b, nodes, nodes), bool)
-    depth = 0
-    for r in range(b):
-        paths, ancestors[r] = random_paths(rng, nodes)
-        depth = max(depth, *(len(path) - 1 for path in paths))
-    # the kernel wants head dims of 16 or more: zero key and value features change nothing
+    for r in range(b):  # the last one a chain: the deepest paths, across every block of 16
+        ancestors[r] = random_paths(rng, nodes)[1] if r < b - 1 else np.tril(np.ones((nodes, nodes), bool))
+    # the kernel wants head dims of 16 or more: zero key and value features change nothing; 32 value
+    # columns split in two blocks of 16 when block_v is 16
     q, k = (np.pad(x, [(0, 0)] * 3 + [(0, 16 - x.shape[-1])]) for x in (q, k))
-    v = np.pad(v, [(0, 0)] * 3 + [(0, 16 - v.shape[-1])])
-    state = np.pad(state, [(0, 0), (0, 0), (0, 16 - state.shape[2]), (0, 16 - state.shape[3])])
+    v = np.pad(v, [(0, 0)] * 3 + [(0, 32 - v.shape[-1])])
+    state = np.pad(state, [(0, 0), (0, 0), (0, 16 - state.shape[2]), (0, 32 - state.shape[3])])
     args = [jnp.asarray(x) for x in (q, k, v, g, beta, state, ancestors)]
-    out = tree_gdn(*args, levels=depth, interpret=interpret(), poison=True)
+    out = tree_gdn(*args, block_v=block_v, interpret=interpret(), poison=True)
     for got, want in zip(out, tree_gdn_reference(*args), strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"seed {seed}")
 
 
-def test_lowers_for_cuda():  # Qwen3.5's GDN heads: 16 key / 32 value heads of 128, a 65-node tree
-    b, t = 1, 65
+@pytest.mark.parametrize("t", [65, 129])
+def test_lowers_for_cuda(t):  # Qwen3.5's GDN heads: 16 key / 32 value heads of 128
+    b = 1
     lower_for_cuda(tree_gdn, *(jax.ShapeDtypeStruct((b, t, 16, 128), jnp.bfloat16) for _ in range(2)),
                    jax.ShapeDtypeStruct((b, t, 32, 128), jnp.bfloat16),
                    *(jax.ShapeDtypeStruct((b, t, 32), jnp.float32) for _ in range(2)),
-                   jax.ShapeDtypeStruct((b, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((b, t, t), jnp.bool_),
-                   levels=16)
+                   jax.ShapeDtypeStruct((b, 32, 128, 128), jnp.float32), jax.ShapeDtypeStruct((b, t, t), jnp.bool_))

@@ -238,25 +238,21 @@ class GatedDeltaNet(nnx.Module):
         conv = fold_conv(state.conv, mixed, jnp.broadcast_to(jnp.arange(t), (b, t)), lengths)
         return self._output(x, o), GDNState(recurrent, conv)
 
-    def __call__(self, x, state: GDNState, depth, ancestors, max_depth: int | None = None
-                 ) -> tuple[jax.Array, GDNPending]:
+    def __call__(self, x, state: GDNState, depth, ancestors) -> tuple[jax.Array, GDNPending]:
         """Tree verification (a decode step is a tree of one node): x `[B, T, D]`, depth `[B, T]` past
-        the committed state, ancestors `[B, T, T]` bool (ancestors-or-self), max_depth: a static bound on
-        depth when known (the tree kernel's levels). Every node's output along its own path; the state is
-        not touched. -> (`[B, T, D]`, what `commit` folds)."""
+        the committed state, ancestors `[B, T, T]` bool (ancestors-or-self). Every node's output along its
+        own path; the state is not touched. -> (`[B, T, D]`, what `commit` folds)."""
         from weaver_jax._model import position_path
 
         b = x.shape[0]
         mixed = x @ self.in_qkv[...]
         path = position_path(depth, jnp.zeros((b,), jnp.int32), ancestors)
         q, k, v, g, beta = self._inputs(x, conv_tree(mixed, state.conv, self.conv[...], path, depth))
-        # the kernel's tiles need head dims 2^k >= 16; its levels: the deepest depth (T - 1 bounds any tree)
+        # the kernel's tiles need head dims 2^k >= 16
         if kernels_enabled("tree_gdn") and all(d >= 16 and d & (d - 1) == 0 for d in self.heads[2:]):
             from weaver_jax.pallas_kernels.tree_gdn import tree_gdn
 
-            t = x.shape[1]
-            levels = t - 1 if max_depth is None else min(max_depth, t - 1)
-            o, u, prefix = tree_gdn(q, k, v, g, beta, state.recurrent, ancestors, levels=levels, interpret=interpret())
+            o, u, prefix = tree_gdn(q, k, v, g, beta, state.recurrent, ancestors, interpret=interpret())
             terms = TreeTerms(u, prefix, _per_value_head(q, k, v, g, beta)[1])
         else:
             o, terms = gated_delta_tree(q, k, v, g, beta, state.recurrent, ancestors)

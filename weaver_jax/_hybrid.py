@@ -223,16 +223,15 @@ class HybridTransformer(nnx.Module):
         return self._output(x, hidden, HybridCache(ks, vs, cache.lengths + lengths, states), logits_rows)
 
     def __call__(self, tokens, positions, cache: HybridCache, attend=None, *, logits_rows=None, hidden_layers=(),
-                 exact: bool = False, max_depth: int | None = None) -> ForwardOutput:
+                 exact: bool = False) -> ForwardOutput:
         """A tree (or one decode token) `[B, T]` at `positions` = committed length + depth, `attend`
         ancestors-or-self `[B, T, T]` (None: a causal chain): every node's logits along its own path, its
-        K/V at scratch slots `[len, len + T)`, the GDN states untouched; `pending` is what `commit` folds.
-        max_depth: a static bound on the depths, when known (the tree-GDN kernel's levels)."""
+        K/V at scratch slots `[len, len + T)`, the GDN states untouched; `pending` is what `commit` folds."""
         b, t = tokens.shape
         attend = causal_attend(b, t) if attend is None else attend
         depth = positions - cache.lengths[:, None]
         x, hidden, ks, vs, pending = self._run(tokens, positions, cache, attend, hidden_layers, exact,
-                                               lambda gdn, x, state: gdn(x, state, depth, attend, max_depth))
+                                               lambda gdn, x, state: gdn(x, state, depth, attend))
         return self._output(x, hidden, dataclasses.replace(cache, k=ks, v=vs), logits_rows, pending)
 
     def commit(self, cache: HybridCache, pending: tuple[GDNPending, ...], path, count) -> HybridCache:

@@ -312,15 +312,12 @@ class Transformer(nnx.Module):
         logits_rows: jax.Array | None = None,
         hidden_layers: tuple[int, ...] = (),
         exact: bool = False,
-        max_depth: int | None = None,
     ) -> ForwardOutput:
         """tokens, positions `[B, T]` int (each new token at `cache.lengths +` its depth among them);
         attend `[B, T, T]` bool (None: causal); logits_rows `[B, R]` row indices into T (None: every
         row). exact: a token's numbers do not depend on the other tokens of the call (row-invariant
         products and attention by position: `weaver_jax.pallas_kernels.row_invariant`), so a decode
-        step, a prefill and a tree verification give it bitwise the same logits. max_depth: a static bound
-        on a tree's depths, which a hybrid target's GDN kernel reads (nothing here needs it)."""
-        del max_depth
+        step, a prefill and a tree verification give it bitwise the same logits."""
         b, t = tokens.shape
         if t > cache.size:
             raise ValueError(f"{t} new tokens do not fit in a cache of {cache.size} slots")

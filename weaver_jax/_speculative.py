@@ -298,7 +298,7 @@ def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, jax.Array, Forwa
         ancestors = tree.ancestors(p.depth)
     with jax.named_scope("verify"):
         verify = p.target(tree.tokens, s.cache.lengths[:, None] + tree.depth, s.cache, ancestors,
-                          hidden_layers=p.hidden_ids, exact=p.exact, max_depth=p.depth)
+                          hidden_layers=p.hidden_ids, exact=p.exact)
     return tree, ancestors, verify
 
 
