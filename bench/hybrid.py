@@ -1,9 +1,11 @@
 """Issue 20 on the H200: one Gated DeltaNet layer's tree verification at the Qwen3.6-27B shape (16 key /
-48 value heads of 128), the Pallas kernel (`pallas_kernels.tree_gdn`, `block_v` value columns per program)
-against its XLA form (`_gdn.gated_delta_tree`), per N nodes of a random tree of depth <= 15 (a 16-token
-drafter block's deepest node).
+48 value heads of 128), the Pallas kernel (`pallas_kernels.tree_gdn`, `block_v` value columns per program,
+products at `precision`) against its XLA form (`_gdn.gated_delta_tree`), per N nodes of a random tree of
+depth <= 15 (a 16-token drafter block's deepest node).
 
     python bench/hybrid.py --json out.json [--nodes 17 65 129] [--batch 1 8] [--block-v 32 64]
+        [--precision tf32x3 tf32 ieee]
+    python bench/hybrid.py --json out.json --profile [--nodes 17 65]   # GPU time per kernel of one call
 
 Each is timed per iteration of a `fori_loop` whose carried state feeds the next iteration
 (`decode._looped_seconds`). The rest of the shape's figures come from the dense targets' scripts, which take
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import sys
 from pathlib import Path
@@ -30,12 +33,12 @@ from verify import random_tree  # noqa: E402
 from weaver_jax import _gdn  # noqa: E402
 from weaver_jax._hybrid import qwen3_6_27b  # noqa: E402
 from weaver_jax.pallas_kernels import interpret  # noqa: E402
-from weaver_jax.pallas_kernels.tree_gdn import tree_gdn  # noqa: E402
+from weaver_jax.pallas_kernels.tree_gdn import PRECISIONS, tree_gdn  # noqa: E402
 
 DEPTH = 15
 
 
-def gdn_seconds(config, batch: int, nodes: int, block_vs: list[int], repeats: int) -> dict:
+def gdn_seconds(config, batch: int, nodes: int, block_vs: list[int], precisions: list[str], repeats: int) -> dict:
     """One GDN layer's tree verification, XLA form against the kernel, the state carried."""
     h_k, h_v, d_k, d_v = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                           config.linear_value_head_dim)
@@ -49,19 +52,18 @@ def gdn_seconds(config, batch: int, nodes: int, block_vs: list[int], repeats: in
     state = jnp.zeros((batch, h_v, d_k, d_v), jnp.float32)
     inputs = (q, k, v, g, beta, ancestors)
     forms = {"xla": lambda s, x: _gdn.gated_delta_tree(*x[:5], s, x[5])[0],
-             **{f"kernel_{bv}": lambda s, x, bv=bv: tree_gdn(*x[:5], s, x[5], block_v=bv, interpret=interpret())[0]
-                for bv in block_vs}}
+             **{f"kernel_{p}_{bv}": lambda s, x, bv=bv, p=p: tree_gdn(*x[:5], s, x[5], block_v=bv, precision=p,
+                                                                      interpret=interpret())[0]
+                for bv in block_vs for p in precisions}}
     return {f"{name}_us": 1e6 * bench._looped_seconds(  # the carry: the state nudged by the output
         lambda s, x, f=f: s + 1e-9 * f(s, x)[:, :1, :, None, :1].sum(1), state, inputs, 32, repeats)
         for name, f in forms.items()}
 
 
 def kernel_profile(config, nodes: int, precisions: list[str]) -> list[dict]:
-    """GPU time per kernel of one tree-GDN call (B = 1) from a profiler trace, per dot precision of the
-    kernel (`tree_gdn._IEEE`, read when traced): where the kernel's time goes."""
+    """GPU time per kernel of one tree-GDN call (B = 1) from a profiler trace, per product precision:
+    how much of a call is the kernel and how much the XLA around it."""
     from kernel_times import gpu_events
-
-    from weaver_jax.pallas_kernels import tree_gdn as module
 
     h_k, h_v, d_k, d_v = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                           config.linear_value_head_dim)
@@ -74,8 +76,7 @@ def kernel_profile(config, nodes: int, precisions: list[str]) -> list[dict]:
             random_tree(1, nodes, min(DEPTH, nodes - 1), 2).ancestors())
     rows = []
     for precision in precisions:
-        module._IEEE = getattr(jax.lax.Precision, precision)
-        run = jax.jit(lambda *a: module.tree_gdn.__wrapped__(*a, interpret=interpret()))
+        run = functools.partial(tree_gdn, precision=precision, interpret=interpret())
         jax.block_until_ready(run(*args))
         for name, op, us in gpu_events(lambda run=run: [run(*args) for _ in range(4)][-1]):
             rows.append(dict(nodes=nodes, precision=precision, kernel=name, op=op, us=us / 4))
@@ -89,14 +90,14 @@ def main():
     parser.add_argument("--block-v", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--profile", nargs="*", metavar="PRECISION",
-                        help="instead: GPU time per kernel of one call at each --nodes, per dot precision "
-                             "(HIGHEST, DEFAULT)")
+    parser.add_argument("--precision", nargs="+", choices=sorted(PRECISIONS), default=["tf32x3"])
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: GPU time per kernel of one call (B = 1) at each --nodes and --precision")
     args = parser.parse_args()
     config, rows = qwen3_6_27b(), []
-    if args.profile is not None:
+    if args.profile:
         for n in args.nodes:
-            rows += kernel_profile(config, n, args.profile or ["HIGHEST"])
+            rows += kernel_profile(config, n, args.precision)
         summary = collections.defaultdict(float)
         for r in rows:
             summary[r["nodes"], r["precision"], r["kernel"]] += r["us"]
@@ -107,9 +108,9 @@ def main():
     for batch in args.batch:
         for n in args.nodes:
             row = dict(shape="qwen3.6-27b", batch=batch, nodes=n, **gdn_seconds(config, batch, n, args.block_v,
-                                                                             args.repeats),
+                                                                             args.precision, args.repeats),
                        device=jax.devices()[0].device_kind)
-            row["kernel_vs_xla"] = row["xla_us"] / min(row[f"kernel_{bv}_us"] for bv in args.block_v)
+            row["kernel_vs_xla"] = row["xla_us"] / min(v for key, v in row.items() if key.startswith("kernel_"))
             rows.append(row)
             print(json.dumps(row), flush=True)
             args.json.write_text(json.dumps(rows, indent=1))

@@ -4,17 +4,23 @@ committed state, with no per-node state written (`weaver_jax._gdn` has the algeb
 `gated_delta_tree` is the reference).
 
 Nodes come in tree order (a node's ancestors before it), so the system below is lower triangular;
-the program walks the T nodes in blocks of 16 (static, unrolled), every tile 16 x 16 or 16 x d:
+the program walks the T nodes in blocks of 16 (loops, not unrolled), every tile 16 x 16 or 16 x d:
   prefix = ancestors-or-self @ g; ratio_ij = exp(prefix_i - prefix_j) on i's path, else 0;
   A = beta_i ratio_ij (k_i . k_j) over strict ancestors; rhs = beta (v - exp(prefix) k S0);
   (I + A) u = rhs by blocks: u_r = (I + A_rr)^-1 (rhs_r - sum_{c<r} A_rc u_c), the 16 x 16 inverse
   by X <- I - A_rr X 15 times (exact: A_rr is strictly lower; stable as forward substitution is:
   the product (I - N)(I + N^2)(I + N^4)(I + N^8), also exact, lost 3e-4 on deep chains);
   out = exp(prefix) q S0 + (ratio * q k^T) u.
-The solve's columns are independent, so value columns split across programs (more programs at
-batch 1, a smaller state tile each); the T x T matrices are never held whole (a 129-node tree
-padded to 256 did not fit in one program). Outputs: out `[B, T, H_v, d_v]` float32, and u
+Each block's prefix and u go to the outputs and are read back from there by later blocks (a barrier
+between: other threads of the program wrote them), so registers hold one block pair at a time: the
+whole-tree form (T x T tiles; unrolled block lists) spilled to local memory and ran 10-100x slower
+than XLA. The solve's columns are independent, so value columns split across programs (more programs
+at batch 1, a smaller state tile each). Outputs: out `[B, T, H_v, d_v]` float32, and u
 `[B, H_v, T, d_v]`, prefix `[B, H_v, T]` for `fold`.
+
+Products: float32 on tensor cores in three TF32 passes (`TF32_TF32_F32_X3`, about float32's
+accuracy; single-pass IEEE float32 products take Triton's FMA path, which holds a whole K = 128 row
+per thread and spilled); in interpret mode (CPU) at full float32.
 
 Shapes: q, k `[B, T, H_k, d_k]` (L2-normalised, q scaled), v `[B, T, H_v, d_v]`, g, beta `[B, T, H_v]`,
 state `[B, H_v, d_k, d_v]` float32, ancestors `[B, T, T]` bool (ancestors-or-self, each ancestor
@@ -34,7 +40,8 @@ from weaver_jax._gdn import gated_delta_tree
 from weaver_jax.pallas_kernels._call import pallas_call
 
 BLOCK = 16  # nodes per tile
-_IEEE = jax.lax.Precision.HIGHEST  # float32 products at full precision (not TF32)
+PRECISIONS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": jax.lax.Precision.DEFAULT,
+              "ieee": jax.lax.Precision.HIGHEST}
 
 
 def tree_gdn_reference(q, k, v, g, beta, state, ancestors):
@@ -43,54 +50,72 @@ def tree_gdn_reference(q, k, v, g, beta, state, ancestors):
     return out, terms.u, terms.prefix
 
 
-def _dot(a, b, trans_b=False):
-    return plgpu.dot(a, b, trans_b=trans_b, precision=_IEEE)
-
-
-def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, own_ref, out_ref, u_ref, prefix_ref):
+def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, own_ref, out_ref, u_ref, prefix_ref, *, precision,
+            barrier: bool):
     """One (sequence, value head, column block): q_ref, k_ref `[n, d_k]`, v_ref `[n, block_v]`, g_ref,
-    beta_ref `[n]`, s_ref `[d_k, block_v]`, own_ref `[n, n]` int8 (ancestors-or-self); n = 16 x blocks."""
+    beta_ref `[n]`, s_ref `[d_k, block_v]`, own_ref `[n, n]` int8 (ancestors-or-self); n = 16 x blocks.
+    barrier: synchronise the program's threads after writing what later blocks read (not in interpret
+    mode, which runs one thread)."""
     blocks = own_ref.shape[0] // BLOCK
-    rows = [pl.ds(r * BLOCK, BLOCK) for r in range(blocks)]
-    s = s_ref[...]
+    dot = functools.partial(plgpu.dot, precision=precision)
+    rows = lambda r: pl.ds(pl.multiple_of(r * BLOCK, BLOCK), BLOCK)  # noqa: E731
     diagonal = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0) == jax.lax.broadcasted_iota(
         jnp.int32, (BLOCK, BLOCK), 1)
     eye = diagonal.astype(jnp.float32)
-    own = {(r, c): own_ref[rows[r], rows[c]] != 0 for r in range(blocks) for c in range(r + 1)}
-    g = [g_ref[rows[c]] for c in range(blocks)]
-    prefix = [sum(jnp.sum(jnp.where(own[r, c], g[c][None, :], 0.0), axis=1) for c in range(r + 1))
-              for r in range(blocks)]
-    u = []
-    for r in range(blocks):
-        q_r, k_r = q_ref[rows[r], :].astype(jnp.float32), k_ref[rows[r], :].astype(jnp.float32)
-        beta_r, decay_r = beta_ref[rows[r]][:, None], jnp.exp(prefix[r])[:, None]
-        rhs = beta_r * (v_ref[rows[r], :].astype(jnp.float32) - decay_r * _dot(k_r, s))
-        out = decay_r * _dot(q_r, s)
-        ratios, keys = [], []
-        for c in range(r + 1):
-            ratio = jnp.where(own[r, c], jnp.exp(jnp.minimum(prefix[r][:, None] - prefix[c][None, :], 0.0)), 0.0)
-            k_c = k_r if c == r else k_ref[rows[c], :].astype(jnp.float32)
-            ratios.append(ratio)
-            keys.append(k_c)
-            if c < r:
-                rhs -= _dot(beta_r * ratio * _dot(k_r, k_c, trans_b=True), u[c])
-        within = jnp.where(diagonal, 0.0, beta_r * ratios[r] * _dot(k_r, k_r, trans_b=True))
-        inverse = jax.lax.fori_loop(0, BLOCK - 1, lambda _, x, a=within: eye - _dot(a, x), eye)
-        u.append(_dot(inverse, rhs))
-        for c in range(r + 1):
-            out += _dot(ratios[c] * _dot(q_r, keys[c], trans_b=True), u[c])
-        out_ref[rows[r], :] = out
-        u_ref[rows[r], :] = u[r]
-        prefix_ref[rows[r]] = prefix[r]
+
+    def sync():
+        if barrier:
+            plgpu.debug_barrier()
+
+    def prefix_block(r, _):
+        prefix_ref[rows(r)] = jax.lax.fori_loop(0, r + 1, lambda c, acc: acc + jnp.sum(
+            jnp.where(own_ref[rows(r), rows(c)] != 0, g_ref[rows(c)][None, :], 0.0), axis=1),
+            jnp.zeros((BLOCK,), jnp.float32))
+        return 0
+
+    jax.lax.fori_loop(0, blocks, prefix_block, 0)
+    sync()
+    s = s_ref[...]
+
+    def solve_block(r, _):
+        q_r, k_r = q_ref[rows(r), :].astype(jnp.float32), k_ref[rows(r), :].astype(jnp.float32)
+        prefix_r, beta_r = prefix_ref[rows(r)][:, None], beta_ref[rows(r)][:, None]
+
+        def ratio(c):  # [16, 16]: exp(prefix_i - prefix_j) where node j of block c is on i's path
+            return jnp.where(own_ref[rows(r), rows(c)] != 0,
+                             jnp.exp(jnp.minimum(prefix_r - prefix_ref[rows(c)][None, :], 0.0)), 0.0)
+
+        def earlier(c, carry):  # block c < r: its solved u into r's right-hand side and output
+            rhs, out = carry
+            k_c, u_c, ratio_c = k_ref[rows(c), :].astype(jnp.float32), u_ref[rows(c), :], ratio(c)
+            return (rhs - dot(beta_r * ratio_c * dot(k_r, k_c, trans_b=True), u_c),
+                    out + dot(ratio_c * dot(q_r, k_c, trans_b=True), u_c))
+
+        decay = jnp.exp(prefix_r)
+        rhs, out = jax.lax.fori_loop(0, r, earlier, (
+            beta_r * (v_ref[rows(r), :].astype(jnp.float32) - decay * dot(k_r, s)), decay * dot(q_r, s)))
+        ratio_r = ratio(r)
+        within = jnp.where(diagonal, 0.0, beta_r * ratio_r * dot(k_r, k_r, trans_b=True))
+        inverse = jax.lax.fori_loop(0, BLOCK - 1, lambda _, x: eye - dot(within, x), eye)
+        u_r = dot(inverse, rhs)
+        u_ref[rows(r), :] = u_r
+        out_ref[rows(r), :] = out + dot(ratio_r * dot(q_r, k_r, trans_b=True), u_r)
+        sync()
+        return 0
+
+    jax.lax.fori_loop(0, blocks, solve_block, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "interpret", "poison"))
-def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 32, interpret: bool = False,
-             poison: bool = False):
+@functools.partial(jax.jit, static_argnames=("block_v", "precision", "interpret", "poison"))
+def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 32, precision: str = "tf32x3",
+             interpret: bool = False, poison: bool = False):
     """The tree's GDN outputs and fold terms (module docstring). block_v: value columns per program
-    (a power of two >= 16; at most d_v). poison (tests): outputs start as NaN."""
+    (a power of two >= 16; at most d_v); precision: the products' (`PRECISIONS`; ignored in interpret
+    mode). poison (tests): outputs start as NaN."""
     b, t, h_k, d_k = q.shape
     h_v, d_v = v.shape[2], v.shape[3]
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {list(PRECISIONS)}")
     if h_v % h_k:
         raise ValueError(f"{h_v} value heads do not share {h_k} key heads evenly")
     for name, d in (("d_k", d_k), ("d_v", d_v), ("block_v", block_v)):
@@ -109,7 +134,7 @@ def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 32, interpret
     columns = lambda i, j, c: (i, j, 0, c)  # noqa: E731
     head = lambda i, j, c: (i, j, 0)  # noqa: E731
     out, u, prefix = pallas_call(
-        _kernel,
+        functools.partial(_kernel, precision=PRECISIONS["ieee" if interpret else precision], barrier=not interpret),
         [nodes(q), nodes(k), nodes(v), nodes(g.astype(jnp.float32)), nodes(beta.astype(jnp.float32)),
          state.astype(jnp.float32), own.astype(jnp.int8)],
         grid=(b, h_v, d_v // block_v),
