@@ -16,7 +16,8 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
   row_invariant: exact mode's matrix product and attention, whose value for a row does not depend on
     the other rows. Used by the target's forward with `exact=True`, whatever the selection below.
   tree_gdn: a Gated DeltaNet layer's tree verification (every node along its own path, no per-node
-    state) for hybrid targets. Used by their GDN layers when selected; not on by default until timed.
+    state) for hybrid targets. Used by their GDN layers when selected; off by default (its first forms
+    lost to XLA on the H200; the current one is not yet timed there).
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
 `WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off. By default, where jax's backend is a GPU,
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 MASKED_SCORE = 0.7 * float(jnp.finfo(jnp.float32).min)
 KERNELS = ("tree_attention", "accept_commit", "adapter_attention", "weaver_search", "tree_gdn")
 MEASURED = ("tree_attention", "accept_commit", "adapter_attention")  # on by default on GPUs: each measured
-# faster than XLA there (BENCHMARKS.md); weaver_search and tree_gdn join once measured
+# faster than XLA there (BENCHMARKS.md); weaver_search and tree_gdn measured slower (tree_gdn: to re-time)
 _forced: bool | None = None
 _scoped: list[tuple[str, ...]] = []
 
