@@ -12,7 +12,7 @@ from flax import nnx
 from weaver_jax import testing, training
 from weaver_jax._adapter import Adapter, random_adapter_config
 from weaver_jax._model import KVCache
-from weaver_jax._train import TrainConfig, batch_indices, fit, read_log, sample_anchors
+from weaver_jax._train import TrainConfig, adapter_loss, batch_indices, drafter_loss, fit, read_log, sample_anchors
 
 
 def _bundle(seed=0, block_size=6):
@@ -131,6 +131,35 @@ def test_adapter_training_beats_the_drafter_alone(trained_setup, tmp_path):
     log = read_log(tmp_path)
     assert np.mean([r["loss"] for r in log[-5:]]) < 0.8 * np.mean([r["loss"] for r in log[:5]])
     assert np.mean([r["acc"] - r["acc_drafter"] for r in log[-5:]]) > 0.1
+
+
+def test_distillation_reads_the_targets_next_token_distribution(trained_setup, tmp_path):
+    """On the target's own greedy data the teacher's argmax is the data's token at every scored
+    position (the KL is aligned with the labels); the mixed loss is (1 - d) hard + d KL, KL > 0, for
+    the drafter and the adapter; training on the KL alone lowers it; a weight outside [0, 1] is refused."""
+    bundle, data = trained_setup
+    batch, key = {k: jnp.asarray(v[:4]) for k, v in data.items()}, jax.random.key(0)
+    k = bundle.drafter.config.block_size - 1
+    adapter = Adapter(random_adapter_config(bundle.config, depth=k, pool=32), rngs=nnx.Rngs(5))
+    losses = {"drafter": lambda d: drafter_loss(bundle.drafter, bundle.target, batch, key, anchors=6, gamma=7.0,
+                                                distill=d),
+              "adapter": lambda d: adapter_loss(adapter, bundle.target, bundle.drafter, batch, key, anchors=6,
+                                                gamma=7.0, pool_size=32, distill=d)}
+    for name, loss in losses.items():
+        hard, _ = loss(0.0)
+        mixed, metrics = loss(0.25)
+        assert metrics["kl"] > 0, name
+        np.testing.assert_allclose(mixed, 0.75 * hard + 0.25 * metrics["kl"], rtol=1e-5, err_msg=name)
+        if name == "drafter":
+            assert metrics["teacher_acc"] == 1.0
+    config = TrainConfig(steps=16, batch_size=4, anchors=6, learning_rate=3e-3, save_every=100, log_every=1,
+                         distill=1.0)
+    fit(jax.tree.map(jnp.copy, bundle.drafter), training.drafter_loss_fn(config), data, config, tmp_path,
+        frozen=(bundle.target,))
+    log = read_log(tmp_path)
+    assert np.mean([r["kl"] for r in log[-4:]]) < 0.8 * np.mean([r["kl"] for r in log[:4]])
+    with pytest.raises(ValueError, match="distill"):
+        TrainConfig(distill=1.5)
 
 
 def test_cli_trains_exports_and_resumes(trained_setup, tmp_path, capsys):

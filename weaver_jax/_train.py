@@ -5,7 +5,11 @@ Both losses read the frozen target's hidden states of a batch of sequences, then
 that sees the context before a; the drafter is scored on `x_{a+1..a+b-1}` with cross-entropy
 weighted by `exp(-(k - 1) / gamma)`. The adapter, with the drafter frozen, walks the true
 continuation as a path (teacher forcing) and is scored, at every depth whose true token lies in
-the drafter's top-P pool, on the pool's cross-entropy, depth-decayed the same way.
+the drafter's top-P pool, on the pool's cross-entropy, depth-decayed the same way. With `distill`
+> 0 each loss mixes in the KL divergence from the target's own distribution of the same token (its
+logits at the position before it; for the adapter, renormalised over the pool, at every depth of the
+path): loss = (1 - distill) * hard + distill * KL, so the student learns the target's whole
+distribution, which sampled verification (T > 0) accepts by, not only its argmax.
 
 `fit` is the shared loop: optax AdamW with warmup and cosine decay and global-norm clipping, an
 orbax `CheckpointManager` (parameters, optimiser state and step; resumes from the latest), a
@@ -43,9 +47,14 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     gamma: float = 7.0  # depth decay of the loss weights (7 for blocks of 16)
+    distill: float = 0.0  # weight of the KL to the target's distribution (0: hard labels only)
     seed: int = 0
     save_every: int = 250
     log_every: int = 10
+
+    def __post_init__(self):
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill = {self.distill}: the KL's weight must be in [0, 1]")
 
 
 def sample_anchors(key: jax.Array, prompt_lengths: jax.Array, lengths: jax.Array, width: int, count: int):
@@ -82,6 +91,24 @@ def _decay(size: int, gamma: float) -> jax.Array:
     return jnp.exp(-jnp.arange(size) / gamma)
 
 
+def _teacher_log_probs(target, final_hidden, anchor_pos, size: int) -> jax.Array:
+    """The target's log-distribution of x_{a+1..a+size} `[B, A, size, V]` (its logits at positions
+    a..a+size-1), from its last layer's outputs `final_hidden [B, T, D]`."""
+    b, a = anchor_pos.shape
+    idx = jnp.minimum(anchor_pos[:, :, None] + jnp.arange(size), final_hidden.shape[1] - 1).reshape(b, -1)
+    h = jnp.take_along_axis(final_hidden, idx[:, :, None], axis=1).reshape(b, a, size, -1)
+    return jax.lax.stop_gradient(jax.nn.log_softmax(target.head(target.final_state(h)), -1))
+
+
+def _kl(teacher_log_probs, logits) -> jax.Array:
+    """KL(teacher || softmax(logits)) over the last axis."""
+    return jnp.sum(jnp.exp(teacher_log_probs) * (teacher_log_probs - jax.nn.log_softmax(logits, -1)), -1)
+
+
+def _weighted_mean(x, weights) -> jax.Array:
+    return jnp.sum(x * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+
+
 def _drafter_blocks(target, drafter, batch, key, anchors: int):
     """Shared by both losses: -> (drafter states `[B, A, b-1, D]`, anchors, ok, labels, valid, hidden)."""
     tokens, prompt_lengths, lengths = batch["tokens"], batch["prompt_lengths"], batch["lengths"]
@@ -95,24 +122,33 @@ def _drafter_blocks(target, drafter, batch, key, anchors: int):
     return states, anchor_pos, ok, labels, valid, hidden[-1]
 
 
-def drafter_loss(drafter, target, batch: dict, key: jax.Array, *, anchors: int, gamma: float):
-    """DESIGN 3.2's loss. batch: tokens `[B, T]` (-1 padded), prompt_lengths, lengths `[B]`.
-    -> (loss, metrics: accuracy of the first block position, weighted accuracy)."""
-    states, _, _, labels, valid, _ = _drafter_blocks(target, drafter, batch, key, anchors)
+def drafter_loss(drafter, target, batch: dict, key: jax.Array, *, anchors: int, gamma: float, distill: float = 0.0):
+    """DESIGN 3.2's loss (module docstring: `distill`). batch: tokens `[B, T]` (-1 padded),
+    prompt_lengths, lengths `[B]`. -> (loss, metrics: accuracy of the first block position, weighted
+    accuracy; with distill: the KL and how often the target's argmax is the data's token)."""
+    states, anchor_pos, _, labels, valid, final_hidden = _drafter_blocks(target, drafter, batch, key, anchors)
     logits = target.head(states)  # [B, A, b-1, V] float32
     ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
     weights = valid * _decay(labels.shape[-1], gamma)
-    loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    loss = _weighted_mean(ce, weights)
     hit = jnp.argmax(logits, -1) == labels
-    return loss, {"acc_1": jnp.sum(hit[..., 0] & valid[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1),
-                  "acc": jnp.sum(hit * valid) / jnp.maximum(jnp.sum(valid), 1)}
+    metrics = {"acc_1": jnp.sum(hit[..., 0] & valid[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1),
+               "acc": jnp.sum(hit * valid) / jnp.maximum(jnp.sum(valid), 1)}
+    if distill:
+        teacher = _teacher_log_probs(target, final_hidden, anchor_pos, labels.shape[-1])
+        kl = _weighted_mean(_kl(teacher, logits), weights)
+        loss = (1 - distill) * loss + distill * kl
+        metrics.update(kl=kl, teacher_acc=jnp.sum((jnp.argmax(teacher, -1) == labels) & valid)
+                       / jnp.maximum(jnp.sum(valid), 1))
+    return loss, metrics
 
 
 def adapter_loss(adapter, target, drafter, batch: dict, key: jax.Array, *, anchors: int, gamma: float,
-                 pool_size: int):
+                 pool_size: int, distill: float = 0.0):
     """DESIGN 3.3's loss, drafter frozen: along the true continuation of each anchor, the pool
     cross-entropy of `drafter_logits[pool] + residual` at every depth whose true token is in the
-    pool. -> (loss, metrics: top-1 accuracy in the pool with and without the residual)."""
+    pool (module docstring: `distill`, over every depth of the path). -> (loss, metrics: top-1
+    accuracy in the pool with and without the residual; with distill: the KL)."""
     states, anchor_pos, ok, labels, valid, final_hidden = _drafter_blocks(target, drafter, batch, key, anchors)
     states = jax.lax.stop_gradient(states)
     k = min(adapter.config.K, states.shape[2])
@@ -135,12 +171,18 @@ def adapter_loss(adapter, target, drafter, batch: dict, key: jax.Array, *, ancho
     target_idx = jnp.argmax(match, -1)
     pick = lambda x: jnp.take_along_axis(x, target_idx[..., None], -1)[..., 0]  # noqa: E731
     ce = jax.nn.logsumexp(scores, -1) - pick(scores)
-    weights = in_pool * _decay(k, gamma)
-    loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
+    loss = _weighted_mean(ce, in_pool * _decay(k, gamma))
     count = jnp.maximum(jnp.sum(in_pool), 1)
-    return loss, {"acc": jnp.sum((jnp.argmax(scores, -1) == target_idx) & in_pool) / count,
-                  "acc_drafter": jnp.sum((target_idx == 0) & in_pool) / count,
-                  "in_pool": jnp.sum(in_pool) / jnp.maximum(jnp.sum(valid), 1)}
+    metrics = {"acc": jnp.sum((jnp.argmax(scores, -1) == target_idx) & in_pool) / count,
+               "acc_drafter": jnp.sum((target_idx == 0) & in_pool) / count,
+               "in_pool": jnp.sum(in_pool) / jnp.maximum(jnp.sum(valid), 1)}
+    if distill:
+        teacher = _teacher_log_probs(target, final_hidden, anchor_pos, k)  # [B, A, K, V]
+        pool_teacher = jax.nn.log_softmax(jnp.take_along_axis(teacher, pool_ids, -1), -1)
+        kl = _weighted_mean(_kl(pool_teacher, scores), valid * _decay(k, gamma))
+        loss = (1 - distill) * loss + distill * kl
+        metrics["kl"] = kl
+    return loss, metrics
 
 
 def _global_norm(tree) -> jax.Array:

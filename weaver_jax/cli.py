@@ -120,7 +120,8 @@ def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
 
     data = load_dataset(args.data)
     config = _train.TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors=args.anchors,
-                                learning_rate=args.lr, seed=args.seed, save_every=args.save_every)
+                                learning_rate=args.lr, seed=args.seed, save_every=args.save_every,
+                                distill=args.distill)
     module, info = _train.fit(module, loss_fn(config), data, config, args.run,
                               max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                               desc=f"train-{kind}", frozen=frozen)
@@ -177,6 +178,8 @@ def _training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
     p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight of the KL to the target's distribution in the loss (0: hard labels only, 1: KL only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this long")

@@ -13,13 +13,15 @@ from weaver_jax._train_data import generate_dataset, load_dataset
 
 def drafter_loss_fn(config: TrainConfig):
     """`fit`'s loss for a drafter, frozen (target,)."""
-    return lambda d, target, batch, key: drafter_loss(d, target, batch, key, anchors=config.anchors, gamma=config.gamma)
+    return lambda d, target, batch, key: drafter_loss(d, target, batch, key, anchors=config.anchors, gamma=config.gamma,
+                                                      distill=config.distill)
 
 
 def adapter_loss_fn(config: TrainConfig, pool_size: int):
     """`fit`'s loss for an adapter, frozen (target, drafter)."""
     return lambda a, target, drafter, batch, key: adapter_loss(a, target, drafter, batch, key, anchors=config.anchors,
-                                                               gamma=config.gamma, pool_size=pool_size)
+                                                               gamma=config.gamma, pool_size=pool_size,
+                                                               distill=config.distill)
 
 
 __all__ = ["TrainConfig", "adapter_loss", "adapter_loss_fn", "drafter_loss", "drafter_loss_fn", "evaluation_sets",
