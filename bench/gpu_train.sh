@@ -9,6 +9,9 @@
 #   bash bench/gpu_train.sh data                  # carry .stage/prompts: the target's own responses
 #   bash bench/gpu_train.sh drafter STEPS MINUTES
 #   bash bench/gpu_train.sh adapter STEPS MINUTES
+#   KEEP_EVERY=500 DISTILL=0.5 bash bench/gpu_train.sh drafter ...   # keep curve points; mix in the target's KL
+#   bash bench/gpu_train.sh curve drafter "500 1000" 0   # τ of the drafter at kept steps (chain, DDTree-64;
+#                                                 # curve adapter: Weaver-64 with the exported drafter)
 #   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures (~70 s per
 #                                                 # method and budget: a call finishes ~7; rerun to continue;
 #                                                 # TAU_BUDGETS="64" to take those budgets first)
@@ -79,7 +82,8 @@ while [ $# -gt 0 ]; do
     drafter)
       need_gguf
       $W train-drafter "$STAGE/data" "$STAGE/runs/drafter" --model "$GGUF" --steps "$2" --max-minutes "$(minutes_left "$3")" \
-        --batch-size 32 --anchors 32 --save-every 500 --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+        --batch-size 32 --anchors 32 --save-every 500 --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" \
+        --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/drafter/log.jsonl"
       cp "$STAGE/runs/drafter/log.jsonl" "$OUT/drafter_log.jsonl"
       [ -d "$STAGE/export/drafter" ] && pack drafter "$STAGE/export/drafter"
@@ -87,7 +91,8 @@ while [ $# -gt 0 ]; do
     adapter)
       need_gguf
       $W train-adapter "$STAGE/data" "$STAGE/runs/adapter" --model "$GGUF" --drafter "$STAGE/export/drafter" \
-        --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 --export "$STAGE/export/adapter" \
+        --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 \
+        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --export "$STAGE/export/adapter" \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/adapter/log.jsonl"
       cp "$STAGE/runs/adapter/log.jsonl" "$OUT/adapter_log.jsonl"
@@ -104,6 +109,19 @@ while [ $# -gt 0 ]; do
         --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -8
       cp "$STAGE/tau.json" "$OUT/tau.json"  # carry it back as .stage/tau.json to resume on a fresh machine
       shift 2 ;;
+    curve)  # curve KIND STEPS TEMPERATURES: τ at kept steps of $STAGE/runs/KIND (train with KEEP_EVERY)
+      need_gguf
+      for step in $3; do
+        point=$STAGE/curve/$2-$step
+        [ -d "$point" ] || $W train-export "$2" "$STAGE/runs/$2" "$point" --step "$step" || exit 1
+        if [ "$2" = drafter ]; then models=(--drafter "$point" --adapter "$ADAPTER" --methods dflash ddtree)
+        else models=(--drafter "$DRAFTER" --adapter "$point" --methods weaver); fi
+        XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $((560 - SECONDS))s \
+          python3 bench/tau.py --model "$GGUF" "${models[@]}" --temperatures $4 --budgets ${TAU_BUDGETS:-64} \
+          --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/curve_$2_$step.json" 2>&1 | grep -v "^\[" | tail -4
+        cp "$STAGE/curve_$2_$step.json" "$OUT/"
+      done
+      shift 4 ;;
     e2e)  # e2e BATCHES TEMPERATURES CONFIGS
       need_gguf
       timeout $((570 - SECONDS)) python3 bench/e2e.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \

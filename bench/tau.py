@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
 
 
-def configurations(budgets):
-    return [("dflash", None)] + [(m, b) for m in ("ddtree", "weaver") for b in budgets]
+def configurations(budgets, methods=("dflash", "ddtree", "weaver")):
+    return [("dflash", None)] * ("dflash" in methods) + [(m, b) for m in ("ddtree", "weaver") if m in methods
+                                                          for b in budgets]
 
 
 def encode_sets(bundle, path: Path, limit: int):
@@ -43,7 +44,8 @@ def encode_sets(bundle, path: Path, limit: int):
 def run_tau(bundle, names, prompts, args, out_path: Path):
     rows = json.loads(out_path.read_text()) if out_path.exists() else []
     done = {(r["temperature"], r["method"], r["budget"]) for r in rows}
-    todo = [(t, m, b) for t in args.temperatures for m, b in configurations(args.budgets) if (t, m, b) not in done]
+    todo = [(t, m, b) for t in args.temperatures for m, b in configurations(args.budgets, args.methods)
+            if (t, m, b) not in done]
 
     def one(config):
         temperature, method, budget = config
@@ -89,6 +91,8 @@ def main():
     bundle_arguments(parser)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--methods", nargs="+", choices=["dflash", "ddtree", "weaver"],
+                        default=["dflash", "ddtree", "weaver"], help="e.g. dflash ddtree for a drafter alone")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--limit", type=int, default=0, help="first N prompts of each set (smoke tests)")
     parser.add_argument("--workers", type=int, default=4, help="configurations compiled at once")

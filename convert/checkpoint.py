@@ -77,6 +77,17 @@ def save(dst: str | Path, module: Transformer | HybridTransformer | Drafter | Ad
     return dst
 
 
+def config_from_fields(config_cls, fields: dict):
+    """A module config from its JSON fields (lists back to the tuples the configs hold)."""
+    if config_cls is HybridConfig:
+        return HybridConfig(**{**fields, "layer_types": tuple(fields["layer_types"])})
+    if config_cls is ModelConfig:
+        return ModelConfig.from_dict(fields)
+    if config_cls is DrafterConfig:
+        return DrafterConfig(**{**fields, "target_layer_ids": tuple(fields["target_layer_ids"])})
+    return config_cls(**fields)
+
+
 def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Drafter | Adapter, Tokenizer | None]:
     """-> (the module, its tokenizer or None). dtype None keeps the stored parameter dtype."""
     import orbax.checkpoint as ocp
@@ -90,16 +101,7 @@ def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Draf
         raise ValueError(f"{path}: unknown target architecture {meta['architecture']!r}")
     if meta.get("architecture") == HYBRID:
         cls, config_cls = HybridTransformer, HybridConfig
-    fields = dict(meta["config"])
-    if config_cls is HybridConfig:
-        config = HybridConfig(**{**fields, "layer_types": tuple(fields["layer_types"])})
-    elif config_cls is ModelConfig:
-        config = ModelConfig.from_dict(fields)
-    elif config_cls is DrafterConfig:
-        config = DrafterConfig(**{**fields, "target_layer_ids": tuple(fields["target_layer_ids"])})
-    else:
-        config = AdapterConfig(**fields)
-    stored = config
+    config = stored = config_from_fields(config_cls, meta["config"])
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
     # Restore onto this process's device: a checkpoint written on a GPU machine then loads on CPU.

@@ -164,8 +164,9 @@ def test_distillation_reads_the_targets_next_token_distribution(trained_setup, t
 
 def test_cli_trains_exports_and_resumes(trained_setup, tmp_path, capsys):
     """train-drafter and train-adapter from the command line on a saved target and a data
-    directory; the exports load as a bundle whose Weaver generation equals plain decoding; a rerun
-    with another module shape is refused by name."""
+    directory; the exports load as a bundle whose Weaver generation equals plain decoding; a kept
+    earlier step exports (train-export) as the parameters saved then; a rerun with another module
+    shape is refused by name."""
     from weaver_jax import cli, load
     from weaver_jax.convert import checkpoint
 
@@ -178,7 +179,8 @@ def test_cli_trains_exports_and_resumes(trained_setup, tmp_path, capsys):
     common = ["--model", str(target_dir), "--steps", "4", "--batch-size", "2", "--anchors", "3",
               "--export-dtype", "float32"]
     assert cli.main(["train-drafter", str(data_dir), str(tmp_path / "d_run"), *common, "--layers", "1",
-                     "--block-size", "5", "--num-features", "2", "--export", str(tmp_path / "drafter")]) == 0
+                     "--block-size", "5", "--num-features", "2", "--save-every", "100", "--keep-every", "2",
+                     "--export", str(tmp_path / "drafter")]) == 0
     assert cli.main(["train-adapter", str(data_dir), str(tmp_path / "a_run"), *common, "--drafter",
                      str(tmp_path / "drafter"), "--d-rank", "32", "--heads", "2", "--mlp-dim", "64",
                      "--pool-size", "16", "--export", str(tmp_path / "adapter")]) == 0
@@ -188,7 +190,21 @@ def test_cli_trains_exports_and_resumes(trained_setup, tmp_path, capsys):
     plain = _greedy(trained, prompts)
     assert _greedy(trained, prompts, method="weaver", budget=8) == plain
     assert (tmp_path / "d_run" / "4").exists() and len(read_log(tmp_path / "d_run")) == 1
+    # --keep-every kept step 2 beside the last; train-export writes it, and only kept steps
+    assert cli.main(["train-export", "drafter", str(tmp_path / "d_run"), str(tmp_path / "drafter_2"), "--step", "2",
+                     "--export-dtype", "float32"]) == 0
+    early = load(target_dir, drafter=tmp_path / "drafter_2").drafter
+    restored = training.restore(jax.tree.map(jnp.copy, trained.drafter), tmp_path / "d_run", 2)
+    for a, b in zip(jax.tree.leaves(nnx.state(early)), jax.tree.leaves(nnx.state(restored)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(early)),
+                                                        jax.tree.leaves(nnx.state(trained.drafter)), strict=True))
     capsys.readouterr()
+    assert cli.main(["train-export", "drafter", str(tmp_path / "d_run"), str(tmp_path / "drafter_1"), "--step",
+                     "1"]) == 2
+    assert "no checkpoint at step 1; it holds steps [2, 4]" in capsys.readouterr().err
+    assert cli.main(["train-export", "adapter", str(tmp_path / "d_run"), str(tmp_path / "adapter_2")]) == 2
+    assert "holds no adapter training run" in capsys.readouterr().err
     assert cli.main(["train-drafter", str(data_dir), str(tmp_path / "d_run"), *common, "--layers", "2",
                      "--block-size", "5", "--num-features", "2"]) == 2
     assert "differs in ['num_layers']" in capsys.readouterr().err

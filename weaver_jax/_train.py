@@ -12,7 +12,8 @@ path): loss = (1 - distill) * hard + distill * KL, so the student learns the tar
 distribution, which sampled verification (T > 0) accepts by, not only its argmax.
 
 `fit` is the shared loop: optax AdamW with warmup and cosine decay and global-norm clipping, an
-orbax `CheckpointManager` (parameters, optimiser state and step; resumes from the latest), a
+orbax `CheckpointManager` (parameters, optimiser state and step; resumes from the latest; with
+`keep_every`, the steps kept for a τ-against-steps curve, read back by `restore`), a
 deterministic batch order (a function of the step, so a resumed run sees the batches an
 uninterrupted one would), a progress bar, a JSON-lines loss log, and a time budget after which it
 checkpoints and returns.
@@ -50,6 +51,7 @@ class TrainConfig:
     distill: float = 0.0  # weight of the KL to the target's distribution (0: hard labels only)
     seed: int = 0
     save_every: int = 250
+    keep_every: int = 0  # also save and keep every checkpoint at a multiple of this (0: the last two only)
     log_every: int = 10
 
     def __post_init__(self):
@@ -220,7 +222,8 @@ def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, 
     graphdef, params = nnx.split(module, nnx.Param)
     optimizer = _optimizer(config)
     state = {"params": params, "opt_state": optimizer.init(params)}
-    manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, keep_period=config.keep_every or None, create=True))
     start = manager.latest_step() or 0
     if start:
         state = manager.restore(start, args=ocp.args.StandardRestore(state))
@@ -260,13 +263,33 @@ def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, 
                 log.flush()
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
             out_of_time = max_seconds is not None and time.monotonic() - began > max_seconds
-            if step % config.save_every == 0 or step == config.steps or out_of_time:
+            kept = config.keep_every and step % config.keep_every == 0
+            if step % config.save_every == 0 or kept or step == config.steps or out_of_time:
                 manager.save(step, args=ocp.args.StandardSave(state))
             if out_of_time:
                 break
     manager.wait_until_finished()
     manager.close()
     return nnx.merge(graphdef, state["params"]), {"step": step, "finished": step >= config.steps, "last": last}
+
+
+def restore(module: nnx.Module, checkpoint_dir: str | Path, step: int | None = None) -> nnx.Module:
+    """`module` (the run's architecture) with the parameters `fit` saved at `step` (None: the latest)."""
+    import orbax.checkpoint as ocp
+
+    graphdef, params = nnx.split(module, nnx.Param)
+    state = {"params": params, "opt_state": _optimizer(TrainConfig()).init(params)}  # the structure fit saves
+    manager = ocp.CheckpointManager(Path(checkpoint_dir).absolute())
+    try:
+        steps = sorted(manager.all_steps())
+        step = steps[-1] if step is None and steps else step
+        if step not in steps:
+            raise ValueError(f"{checkpoint_dir}: no checkpoint at step {step}; it holds steps {steps} "
+                             "(train with --keep-every to keep more)")
+        state = manager.restore(step, args=ocp.args.StandardRestore(state))
+    finally:
+        manager.close()
+    return nnx.merge(graphdef, state["params"])
 
 
 def read_log(checkpoint_dir: str | Path) -> list[dict]:

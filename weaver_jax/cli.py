@@ -114,14 +114,12 @@ def _module_config(run_dir, kind: str, proposed):
 
 def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
     from weaver_jax import _train
-    from weaver_jax._model import module_from_params, module_params
     from weaver_jax._train_data import load_dataset
-    from weaver_jax.convert import checkpoint
 
     data = load_dataset(args.data)
     config = _train.TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors=args.anchors,
                                 learning_rate=args.lr, seed=args.seed, save_every=args.save_every,
-                                distill=args.distill)
+                                keep_every=args.keep_every, distill=args.distill)
     module, info = _train.fit(module, loss_fn(config), data, config, args.run,
                               max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                               desc=f"train-{kind}", frozen=frozen)
@@ -134,11 +132,35 @@ def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
         print(f"stopped at step {info['step']} of {config.steps}: run the same command again to resume",
               file=sys.stderr)
     elif args.export:
-        cls, _ = checkpoint.KINDS[kind]
-        config = dataclasses.replace(module.config, dtype=args.export_dtype)
-        exported = module_from_params(lambda: cls(config, rngs=nnx.Rngs(0)), config.dtype, module_params(module))
-        checkpoint.save(args.export, exported)
-        print(f"{kind} -> {args.export}")
+        _export(module, kind, args.export, args.export_dtype)
+    return 0
+
+
+def _export(module, kind: str, dst, dtype: str) -> None:
+    from weaver_jax._model import module_from_params, module_params
+    from weaver_jax.convert import checkpoint
+
+    cls, _ = checkpoint.KINDS[kind]
+    config = dataclasses.replace(module.config, dtype=dtype)
+    checkpoint.save(dst, module_from_params(lambda: cls(config, rngs=nnx.Rngs(0)), config.dtype, module_params(module)))
+    print(f"{kind} -> {dst}")
+
+
+def _train_export(args) -> int:
+    """A training run's parameters at a kept step as a weaver_jax checkpoint (a τ-against-steps curve)."""
+    from weaver_jax import _train
+    from weaver_jax.convert import checkpoint
+
+    path = Path(args.run) / "module.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{args.run} is not a training run directory (no module.json)")
+    cls, config_cls = checkpoint.KINDS[args.kind]
+    try:
+        config = checkpoint.config_from_fields(config_cls, json.loads(path.read_text()))
+    except TypeError as e:
+        raise ValueError(f"{args.run} holds no {args.kind} training run: {e}") from e
+    module = _train.restore(cls(config, rngs=nnx.Rngs(0)), args.run, args.step)
+    _export(module, args.kind, args.out, args.export_dtype)
     return 0
 
 
@@ -182,6 +204,8 @@ def _training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
                    help="weight of the KL to the target's distribution in the loss (0: hard labels only, 1: KL only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=250)
+    p.add_argument("--keep-every", type=int, default=0,
+                   help="also keep the checkpoints at multiples of this step (for `train-export --step`)")
     p.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this long")
     p.add_argument("--export", help="when training finishes, write a weaver_jax checkpoint here")
     p.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -242,9 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-size", type=int, default=512)
     p.add_argument("--rope-base", type=float, default=10_000.0)
 
+    p = sub.add_parser("train-export", help="export a training run's parameters at a kept step")
+    p.add_argument("kind", choices=["drafter", "adapter"])
+    p.add_argument("run", help="the run directory of train-drafter / train-adapter")
+    p.add_argument("out", help="the weaver_jax checkpoint to write (for weaver_jax.load's drafter= / adapter=)")
+    p.add_argument("--step", type=int, default=None, help="a kept step (default: the latest)")
+    p.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+
     args = parser.parse_args(argv)
     commands = {"generate": _generate, "train-prompts": _train_prompts, "train-data": _train_data,
-                "train-drafter": _train_drafter, "train-adapter": _train_adapter}
+                "train-drafter": _train_drafter, "train-adapter": _train_adapter, "train-export": _train_export}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:

@@ -7,7 +7,7 @@
 """
 
 from weaver_jax._prompts import evaluation_sets, stdlib_code_prompts, training_prompts
-from weaver_jax._train import TrainConfig, adapter_loss, drafter_loss, fit, plot_log, read_log, sample_anchors
+from weaver_jax._train import TrainConfig, adapter_loss, drafter_loss, fit, plot_log, read_log, restore, sample_anchors
 from weaver_jax._train_data import generate_dataset, load_dataset
 
 
@@ -25,5 +25,5 @@ def adapter_loss_fn(config: TrainConfig, pool_size: int):
 
 
 __all__ = ["TrainConfig", "adapter_loss", "adapter_loss_fn", "drafter_loss", "drafter_loss_fn", "evaluation_sets",
-           "fit", "generate_dataset", "load_dataset", "plot_log", "read_log", "sample_anchors", "stdlib_code_prompts",
-           "training_prompts"]
+           "fit", "generate_dataset", "load_dataset", "plot_log", "read_log", "restore", "sample_anchors",
+           "stdlib_code_prompts", "training_prompts"]
