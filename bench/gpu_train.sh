@@ -9,7 +9,8 @@
 #   bash bench/gpu_train.sh data                  # carry .stage/prompts: the target's own responses
 #   bash bench/gpu_train.sh drafter STEPS MINUTES
 #   bash bench/gpu_train.sh adapter STEPS MINUTES
-#   KEEP_EVERY=500 DISTILL=0.5 bash bench/gpu_train.sh drafter ...   # keep curve points; mix in the target's KL
+#   KEEP_EVERY=500 DISTILL=0.5 MAX_SEQUENCES=4000 bash bench/gpu_train.sh drafter ...   # keep curve points;
+#                                                 # mix in the target's KL; a data subset (τ against data size)
 #   bash bench/gpu_train.sh curve drafter "500 1000" 0   # τ of the drafter at kept steps (chain, DDTree-64;
 #                                                 # curve adapter: Weaver-64 with the exported drafter)
 #   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures (~70 s per
@@ -83,7 +84,7 @@ while [ $# -gt 0 ]; do
       need_gguf
       $W train-drafter "$STAGE/data" "$STAGE/runs/drafter" --model "$GGUF" --steps "$2" --max-minutes "$(minutes_left "$3")" \
         --batch-size 32 --anchors 32 --save-every 500 --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" \
-        --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+        --max-sequences "${MAX_SEQUENCES:-0}" --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/drafter/log.jsonl"
       cp "$STAGE/runs/drafter/log.jsonl" "$OUT/drafter_log.jsonl"
       [ -d "$STAGE/export/drafter" ] && pack drafter "$STAGE/export/drafter"
@@ -92,7 +93,8 @@ while [ $# -gt 0 ]; do
       need_gguf
       $W train-adapter "$STAGE/data" "$STAGE/runs/adapter" --model "$GGUF" --drafter "$STAGE/export/drafter" \
         --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 \
-        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --export "$STAGE/export/adapter" \
+        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" \
+        --export "$STAGE/export/adapter" \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/adapter/log.jsonl"
       cp "$STAGE/runs/adapter/log.jsonl" "$OUT/adapter_log.jsonl"

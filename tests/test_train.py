@@ -180,8 +180,8 @@ def test_cli_trains_exports_and_resumes(trained_setup, tmp_path, capsys):
                      "--block-size", "5", "--num-features", "2", "--save-every", "100", "--keep-every", "2",
                      "--export", str(tmp_path / "drafter")]) == 0
     assert cli.main(["train-adapter", str(data_dir), str(tmp_path / "a_run"), *common, "--drafter",
-                     str(tmp_path / "drafter"), "--d-rank", "32", "--heads", "2", "--mlp-dim", "64",
-                     "--pool-size", "16", "--export", str(tmp_path / "adapter")]) == 0
+                     str(tmp_path / "drafter"), "--max-sequences", "8", "--d-rank", "32", "--heads", "2",
+                     "--mlp-dim", "64", "--pool-size", "16", "--export", str(tmp_path / "adapter")]) == 0
     trained = load(target_dir, drafter=tmp_path / "drafter", adapter=tmp_path / "adapter")
     assert trained.drafter.config.block_size == 5 and trained.adapter.config.candidate_pool_size == 16
     prompts = [data["tokens"][i, :5].tolist() for i in range(3)]

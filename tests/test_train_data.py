@@ -12,7 +12,7 @@ import pytest
 
 import weaver_jax
 from weaver_jax import _prompts, testing
-from weaver_jax._train_data import generate_dataset, load_dataset
+from weaver_jax._train_data import generate_dataset, load_dataset, subset
 
 
 def _fake_distributions(directory, alpaca, mt_bench, humaneval):
@@ -100,3 +100,18 @@ def test_dataset_is_the_targets_own_decoding_and_resumes(tmp_path):
         load_dataset(out)
     generate_dataset(bundle, prompts, tmp_path, **options)
     np.testing.assert_array_equal(np.load(tmp_path / "part-00001.npz")["tokens"], before)
+
+
+def test_subset_draws_sequences_across_sources():
+    """A seeded subset keeps whole rows (every array alike), mixes the sources the parts are grouped by,
+    and refuses a size the data cannot give."""
+    n = 40
+    data = dict(tokens=np.arange(n * 3).reshape(n, 3), lengths=np.arange(n), source=np.repeat([0, 1, 2, 3], 10))
+    part = subset(data, 12, seed=3)
+    assert len(part["lengths"]) == 12 and len(set(part["lengths"].tolist())) == 12
+    assert (part["tokens"][:, 0] == 3 * part["lengths"]).all() and (np.diff(part["lengths"]) > 0).all()
+    assert len(set(part["source"].tolist())) > 1
+    assert (subset(data, 12, seed=3)["lengths"] == part["lengths"]).all()
+    assert not (subset(data, 12, seed=4)["lengths"] == part["lengths"]).all()
+    with pytest.raises(ValueError, match="a subset of 41 sequences: the data holds 40"):
+        subset(data, 41)

@@ -142,3 +142,13 @@ def load_dataset(directory: str | Path) -> dict[str, np.ndarray]:
                                 f"(first: {missing[0]}); rerun `weaver-jax train-data` to finish it")
     parts = [dict(np.load(p)) for p in paths]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def subset(data: dict[str, np.ndarray], count: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """`count` sequences drawn without replacement by `seed` (their order kept), for τ against data
+    size: the parts are written by source, so a prefix would be one kind of prompt."""
+    n = len(data["lengths"])
+    if not 0 < count <= n:
+        raise ValueError(f"a subset of {count} sequences: the data holds {n}")
+    keep = np.sort(np.random.default_rng(seed).choice(n, count, replace=False))
+    return {k: v[keep] for k, v in data.items()}

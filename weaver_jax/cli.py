@@ -114,9 +114,11 @@ def _module_config(run_dir, kind: str, proposed):
 
 def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
     from weaver_jax import _train
-    from weaver_jax._train_data import load_dataset
+    from weaver_jax._train_data import load_dataset, subset
 
     data = load_dataset(args.data)
+    if args.max_sequences:
+        data = subset(data, args.max_sequences, args.seed)
     config = _train.TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors=args.anchors,
                                 learning_rate=args.lr, seed=args.seed, save_every=args.save_every,
                                 keep_every=args.keep_every, distill=args.distill)
@@ -203,6 +205,8 @@ def _training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--distill", type=float, default=0.0,
                    help="weight of the KL to the target's distribution in the loss (0: hard labels only, 1: KL only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-sequences", type=int, default=0,
+                   help="train on this many sequences drawn by --seed (0: all): τ against data size")
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--keep-every", type=int, default=0,
                    help="also keep the checkpoints at multiples of this step (for `train-export --step`)")
