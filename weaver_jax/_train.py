@@ -34,7 +34,6 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from weaver_jax._model import KVCache
 from weaver_jax._tree import chunked_top_k
 
 
@@ -73,11 +72,12 @@ def sample_anchors(key: jax.Array, prompt_lengths: jax.Array, lengths: jax.Array
 
 
 def _target_hidden(target, tokens: jax.Array, layers: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """The frozen target's outputs of `layers` at every position of `tokens [B, T]` (-1 padded)."""
+    """The frozen target's outputs of `layers` at every position of `tokens [B, T]` (-1 padded: the padding
+    comes after a sequence's tokens, so it changes none of theirs), through the prefill every target kind
+    has (a hybrid target's GDN layers by their chunked form)."""
     b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    out = target(jnp.maximum(tokens, 0), positions, KVCache.init(target.config, b, t),
-                 logits_rows=jnp.zeros((b, 1), jnp.int32), hidden_layers=layers)
+    out = target.prefill(jnp.maximum(tokens, 0), target.init_cache(b, t), jnp.full((b,), t),
+                         logits_rows=jnp.zeros((b, 1), jnp.int32), hidden_layers=layers)
     return jax.lax.stop_gradient(out.hidden)
 
 
