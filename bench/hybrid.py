@@ -38,19 +38,25 @@ from weaver_jax.pallas_kernels.tree_gdn import PRECISIONS, tree_gdn  # noqa: E40
 DEPTH = 15
 
 
-def gdn_seconds(config, batch: int, nodes: int, block_vs: list[int], precisions: list[str], repeats: int) -> dict:
-    """One GDN layer's tree verification, XLA form against the kernel, the state carried."""
+def random_inputs(config, batch: int, nodes: int) -> tuple:
+    """One GDN layer's tree inputs at `config`'s heads: (q, k, v, g, beta, state, ancestors) of a random
+    tree of depth <= DEPTH, the committed state zero."""
     h_k, h_v, d_k, d_v = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                           config.linear_value_head_dim)
     keys = jax.random.split(jax.random.key(2), 5)
-    q = _gdn.l2_normalize(jax.random.normal(keys[0], (batch, nodes, h_k, d_k))) * d_k ** -0.5
-    k = _gdn.l2_normalize(jax.random.normal(keys[1], (batch, nodes, h_k, d_k)))
-    v = jax.random.normal(keys[2], (batch, nodes, h_v, d_v))
-    g = -jax.nn.softplus(jax.random.normal(keys[3], (batch, nodes, h_v)))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (batch, nodes, h_v)))
-    ancestors = random_tree(batch, nodes, min(DEPTH, nodes - 1), 2).ancestors()
-    state = jnp.zeros((batch, h_v, d_k, d_v), jnp.float32)
-    inputs = (q, k, v, g, beta, ancestors)
+    return (_gdn.l2_normalize(jax.random.normal(keys[0], (batch, nodes, h_k, d_k))) * d_k ** -0.5,
+            _gdn.l2_normalize(jax.random.normal(keys[1], (batch, nodes, h_k, d_k))),
+            jax.random.normal(keys[2], (batch, nodes, h_v, d_v)),
+            -jax.nn.softplus(jax.random.normal(keys[3], (batch, nodes, h_v))),
+            jax.nn.sigmoid(jax.random.normal(keys[4], (batch, nodes, h_v))),
+            jnp.zeros((batch, h_v, d_k, d_v), jnp.float32),
+            random_tree(batch, nodes, min(DEPTH, nodes - 1), 2).ancestors())
+
+
+def gdn_seconds(config, batch: int, nodes: int, block_vs: list[int], precisions: list[str], repeats: int) -> dict:
+    """One GDN layer's tree verification, XLA form against the kernel, the state carried."""
+    *heads, state, ancestors = random_inputs(config, batch, nodes)
+    inputs = (*heads, ancestors)
     forms = {"xla": lambda s, x: _gdn.gated_delta_tree(*x[:5], s, x[5])[0],
              **{f"kernel_{p}_{bv}": lambda s, x, bv=bv, p=p: tree_gdn(*x[:5], s, x[5], block_v=bv, precision=p,
                                                                       interpret=interpret())[0]
@@ -65,15 +71,7 @@ def kernel_profile(config, nodes: int, precisions: list[str]) -> list[dict]:
     how much of a call is the kernel and how much the XLA around it."""
     from kernel_times import gpu_events
 
-    h_k, h_v, d_k, d_v = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
-                          config.linear_value_head_dim)
-    keys = jax.random.split(jax.random.key(2), 5)
-    args = (_gdn.l2_normalize(jax.random.normal(keys[0], (1, nodes, h_k, d_k))) * d_k ** -0.5,
-            _gdn.l2_normalize(jax.random.normal(keys[1], (1, nodes, h_k, d_k))),
-            jax.random.normal(keys[2], (1, nodes, h_v, d_v)),
-            -jax.nn.softplus(jax.random.normal(keys[3], (1, nodes, h_v))),
-            jax.nn.sigmoid(jax.random.normal(keys[4], (1, nodes, h_v))), jnp.zeros((1, h_v, d_k, d_v), jnp.float32),
-            random_tree(1, nodes, min(DEPTH, nodes - 1), 2).ancestors())
+    args = random_inputs(config, 1, nodes)
     rows = []
     for precision in precisions:
         run = functools.partial(tree_gdn, precision=precision, interpret=interpret())

@@ -19,10 +19,13 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hybrid import random_inputs  # noqa: E402
+
 from tests.cuda import lower_with_triton_modules  # noqa: E402
+from weaver_jax._hybrid import qwen3_6_27b  # noqa: E402
 from weaver_jax.pallas_kernels.tree_gdn import PRECISIONS, tree_gdn  # noqa: E402
 
 # Run by the wheel's Python: compile one Triton IR file, print the ptxas report's numbers as JSON.
@@ -51,11 +54,8 @@ print(json.dumps(dict(registers=numbers(r"Used (\d+) registers")[0], stack_bytes
 
 
 def tree_gdn_module(nodes: int, precision: str, block_v: int) -> str:
-    """The Triton IR of tree_gdn at Qwen3.6-27B's GDN heads (16 key / 48 value heads of 128), B = 1."""
-    s = jax.ShapeDtypeStruct
-    args = [s((1, nodes, 16, 128), jnp.float32), s((1, nodes, 16, 128), jnp.float32),
-            s((1, nodes, 48, 128), jnp.float32), s((1, nodes, 48), jnp.float32), s((1, nodes, 48), jnp.float32),
-            s((1, 48, 128, 128), jnp.float32), s((1, nodes, nodes), jnp.bool_)]
+    """The Triton IR of tree_gdn at Qwen3.6-27B's GDN heads (bench/hybrid.py's inputs), B = 1."""
+    args = jax.eval_shape(lambda: random_inputs(qwen3_6_27b(), 1, nodes))
     [module] = lower_with_triton_modules(tree_gdn, *args, precision=precision, block_v=block_v)[1]
     return module
 
