@@ -1,7 +1,7 @@
 """Issue 20 on the H200: one Gated DeltaNet layer's tree verification at the Qwen3.6-27B shape (16 key /
 48 value heads of 128), the Pallas kernel (`pallas_kernels.tree_gdn`, `block_v` value columns per program,
-products at `precision`) against its XLA form (`_gdn.gated_delta_tree`), per N nodes of a random tree of
-depth <= 15 (a 16-token drafter block's deepest node).
+products at `precision`) against its XLA form (`_gdn.gated_delta_tree`), time and error (relative to the
+XLA form at "highest"), per N nodes of a random tree of depth <= 15 (a 16-token drafter block's deepest node).
 
     python bench/hybrid.py --json out.json [--nodes 17 65 129] [--batch 1 8] [--block-v 32 64]
         [--precision tf32x3 tf32 ieee]
@@ -40,16 +40,16 @@ DEPTH = 15
 
 def random_inputs(config, batch: int, nodes: int) -> tuple:
     """One GDN layer's tree inputs at `config`'s heads: (q, k, v, g, beta, state, ancestors) of a random
-    tree of depth <= DEPTH, the committed state zero."""
+    tree of depth <= DEPTH, a random committed state."""
     h_k, h_v, d_k, d_v = (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                           config.linear_value_head_dim)
-    keys = jax.random.split(jax.random.key(2), 5)
+    keys = jax.random.split(jax.random.key(2), 6)
     return (_gdn.l2_normalize(jax.random.normal(keys[0], (batch, nodes, h_k, d_k))) * d_k ** -0.5,
             _gdn.l2_normalize(jax.random.normal(keys[1], (batch, nodes, h_k, d_k))),
             jax.random.normal(keys[2], (batch, nodes, h_v, d_v)),
             -jax.nn.softplus(jax.random.normal(keys[3], (batch, nodes, h_v))),
             jax.nn.sigmoid(jax.random.normal(keys[4], (batch, nodes, h_v))),
-            jnp.zeros((batch, h_v, d_k, d_v), jnp.float32),
+            0.5 * jax.random.normal(keys[5], (batch, h_v, d_k, d_v)),
             random_tree(batch, nodes, min(DEPTH, nodes - 1), 2).ancestors())
 
 
@@ -61,9 +61,15 @@ def gdn_seconds(config, batch: int, nodes: int, block_vs: list[int], precisions:
              **{f"kernel_{p}_{bv}": lambda s, x, bv=bv, p=p: tree_gdn(*x[:5], s, x[5], block_v=bv, precision=p,
                                                                       interpret=interpret())[0]
                 for bv in block_vs for p in precisions}}
-    return {f"{name}_us": 1e6 * bench._looped_seconds(  # the carry: the state nudged by the output
-        lambda s, x, f=f: s + 1e-9 * f(s, x)[:, :1, :, None, :1].sum(1), state, inputs, 32, repeats)
-        for name, f in forms.items()}
+    with jax.default_matmul_precision("highest"):
+        want = forms["xla"](state, inputs)
+    row = {}
+    for name, f in forms.items():  # the carry: the state nudged by the output
+        row[f"{name}_us"] = 1e6 * bench._looped_seconds(
+            lambda s, x, f=f: s + 1e-9 * f(s, x)[:, :1, :, None, :1].sum(1), state, inputs, 32, repeats)
+        # against the XLA form at "highest" (at JAX's default precision in scope, XLA's products are TF32)
+        row[f"{name}_error"] = float(jnp.abs(f(state, inputs) - want).max() / jnp.abs(want).max())
+    return row
 
 
 def kernel_profile(config, nodes: int, precisions: list[str]) -> list[dict]:
@@ -108,7 +114,8 @@ def main():
             row = dict(shape="qwen3.6-27b", batch=batch, nodes=n, **gdn_seconds(config, batch, n, args.block_v,
                                                                              args.precision, args.repeats),
                        device=jax.devices()[0].device_kind)
-            row["kernel_vs_xla"] = row["xla_us"] / min(v for key, v in row.items() if key.startswith("kernel_"))
+            row["kernel_vs_xla"] = row["xla_us"] / min(v for key, v in row.items()
+                                                       if key.startswith("kernel_") and key.endswith("_us"))
             rows.append(row)
             print(json.dumps(row), flush=True)
             args.json.write_text(json.dumps(rows, indent=1))

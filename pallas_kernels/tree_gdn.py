@@ -18,9 +18,11 @@ than XLA. The solve's columns are independent, so value columns split across pro
 at batch 1, a smaller state tile each). Outputs: out `[B, T, H_v, d_v]` float32, and u
 `[B, H_v, T, d_v]`, prefix `[B, H_v, T]` for `fold`.
 
-Products: float32 on tensor cores in three TF32 passes (`TF32_TF32_F32_X3`, about float32's
-accuracy; single-pass IEEE float32 products take Triton's FMA path, which holds a whole K = 128 row
-per thread and spilled); in interpret mode (CPU) at full float32.
+Products: float32 operands on tensor cores, at the precision of JAX's matmuls in scope (as XLA's own
+float32 products on a GPU): single-pass TF32 by default (as `jax.lax.Precision.DEFAULT` there), three
+TF32 passes (`TF32_TF32_F32_X3`, about float32's accuracy; ~10x slower on the H200) under "highest" /
+"float32" (`jax.default_matmul_precision`); "ieee" (float32 on the FMA path: whole K = 128 rows per
+thread, it spilled) only when asked. In interpret mode (CPU) at full float32.
 
 Shapes: q, k `[B, T, H_k, d_k]` (L2-normalised, q scaled), v `[B, T, H_v, d_v]`, g, beta `[B, T, H_v]`,
 state `[B, H_v, d_k, d_v]` float32, ancestors `[B, T, T]` bool (ancestors-or-self, each ancestor
@@ -42,6 +44,11 @@ from weaver_jax.pallas_kernels._call import pallas_call
 BLOCK = 16  # nodes per tile
 PRECISIONS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": jax.lax.Precision.DEFAULT,
               "ieee": jax.lax.Precision.HIGHEST}
+
+
+def default_precision() -> str:
+    """The products' precision that matches JAX's matmul precision in scope (read when traced)."""
+    return "tf32x3" if jax.config.jax_default_matmul_precision in ("highest", "float32") else "tf32"
 
 
 def tree_gdn_reference(q, k, v, g, beta, state, ancestors):
@@ -107,11 +114,12 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, own_ref, out_ref, u_ref
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "precision", "interpret", "poison"))
-def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 32, precision: str = "tf32x3",
+def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 64, precision: str | None = None,
              interpret: bool = False, poison: bool = False):
     """The tree's GDN outputs and fold terms (module docstring). block_v: value columns per program
-    (a power of two >= 16; at most d_v); precision: the products' (`PRECISIONS`; ignored in interpret
-    mode). poison (tests): outputs start as NaN."""
+    (a power of two >= 16; at most d_v); precision: the products' (`PRECISIONS`; None: `default_precision()`;
+    ignored in interpret mode). poison (tests): outputs start as NaN."""
+    precision = default_precision() if precision is None else precision
     b, t, h_k, d_k = q.shape
     h_v, d_v = v.shape[2], v.shape[3]
     if precision not in PRECISIONS:
