@@ -15,7 +15,8 @@ class OracleDrafter(nnx.Module):
 
     def __init__(self, target_config, block_size: int = 6, corrupt: bool = False):
         self.config = random_drafter_config(target_config, num_layers=1, block_size=block_size)
-        self.corrupt = corrupt
+        # a traced flag, not a static attribute: oracle and corrupted oracle share one compiled generate
+        self.corrupt = nnx.Variable(jnp.asarray(corrupt))
 
     def init_cache(self, batch: int, size: int) -> KVCache:
         return KVCache(k=(), v=(), lengths=jnp.zeros((batch,), jnp.int32))
@@ -25,16 +26,17 @@ class OracleDrafter(nnx.Module):
 
     def propose(self, target, target_cache, root, cache, depth=None):
         positions, vocab = self.config.block_size - 1, self.config.vocab_size
-        tokens, token, c = [], root, target_cache
-        for i in range(positions):
+
+        def step(carry, i):  # a scan, not an unrolled loop: one target step in the program to compile
+            token, c = carry
             out = target(token[:, None], (target_cache.lengths + i)[:, None], c)
             c = target.commit(out.cache, out.pending, jnp.zeros_like(token)[:, None], jnp.ones_like(token))
             token = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
-            tokens.append(token)
-        tokens = jnp.stack(tokens, 1)  # [B, K]
-        if self.corrupt:
-            where = (target_cache.lengths % (positions + 2))[:, None] == jnp.arange(positions)[None, :]
-            tokens = jnp.where(where, (tokens + 1) % vocab, tokens)
+            return (token, c), token
+
+        tokens = jax.lax.scan(step, (root, target_cache), jnp.arange(positions))[1].T  # [B, K]
+        where = (target_cache.lengths % (positions + 2))[:, None] == jnp.arange(positions)[None, :]
+        tokens = jnp.where(where & self.corrupt[...], (tokens + 1) % vocab, tokens)
         noise = jax.random.normal(jax.random.key(0), (positions, vocab))
         states = jnp.take(target.embed[...], tokens, axis=0)  # stand-in drafter states for the adapter
         return (8.0 * jax.nn.one_hot(tokens, vocab) + noise[None])[:, :depth], states
