@@ -115,11 +115,12 @@ def exact_three_token_distribution(target, prompt: list[int], temperature: float
     from the target with the independent NumPy filter of test_generate."""
     v = target.config.vocab_size
     probs = np.zeros((v, v, v))
-    for seq in itertools.product(range(v), repeat=2):
-        ids = np.array(prompt + list(seq))
-        logits = np.asarray(target(jnp.asarray(ids[None]), jnp.arange(len(ids))[None],
-                                   target.init_cache(1, len(ids))).logits[0], np.float64)
-        p = np.stack([numpy_filtered_probs(row, temperature, top_k, top_p) for row in logits[len(prompt) - 1 :]])
+    seqs = list(itertools.product(range(v), repeat=2))
+    ids = np.array([prompt + list(seq) for seq in seqs])  # every continuation in one forward
+    logits = np.asarray(target(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape),
+                               target.init_cache(len(seqs), ids.shape[1])).logits, np.float64)
+    for seq, rows in zip(seqs, logits, strict=True):
+        p = np.stack([numpy_filtered_probs(row, temperature, top_k, top_p) for row in rows[len(prompt) - 1 :]])
         probs[seq[0], seq[1], :] = p[0, seq[0]] * p[1, seq[1]] * p[2]
     return probs
 
