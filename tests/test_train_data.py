@@ -61,6 +61,16 @@ def test_stdlib_code_prompts_are_signatures_with_docstrings():
         assert code.lstrip().startswith(("def ", "@")) and ('"""' in code or "'''" in code)
 
 
+def test_code_prompts_from_another_root(tmp_path):
+    """--code-root: prompts from any Python sources (a site-packages folder's own path does not exclude
+    it), after the standard library's."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text('def area(w, h):\n    """The area of a w x h rectangle."""\n'
+                                             '    return w * h\n\n\ndef _private():\n    """Skipped."""\n')
+    prompts = _prompts.stdlib_code_prompts(5, root=tmp_path)
+    assert len(prompts) == 1 and "def area(w, h):" in prompts[0] and "return" not in prompts[0]
+
+
 def test_clean_written_prompt():
     assert _prompts.clean_written_prompt('  "Question: How do tides work?"  ') == "How do tides work?"
     assert _prompts.clean_written_prompt("short") is None

@@ -119,10 +119,12 @@ def evaluation_sets(directory: Path) -> dict[str, list[dict]]:
 
 
 def stdlib_code_prompts(count: int, seed: int = 0, root: Path | None = None) -> list[str]:
-    """HumanEval-style prompts from the standard library: a public function's or method's signature
-    and docstring (the lines up to the end of its docstring), wrapped in CODE_INSTRUCTION."""
+    """HumanEval-style prompts from the standard library (or the Python sources under `root`, e.g. a
+    site-packages folder): a public function's or method's signature and docstring (the lines up to
+    the end of its docstring), wrapped in CODE_INSTRUCTION. Fewer than `count` when the sources run out
+    (the standard library of Python 3.12 holds ~4800)."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts)
+    files = sorted(p for p in root.rglob("*.py") if not {"test", "site-packages"} & set(p.relative_to(root).parts))
     rng = random.Random(seed)
     rng.shuffle(files)
     prompts, seen = [], set()
@@ -155,15 +157,22 @@ def meta_prompts(samples_per_request: int) -> list[str]:
             for _ in range(samples_per_request)]
 
 
-def training_prompts(directory: Path, *, code_prompts: int, samples_per_request: int, seed: int = 0) -> dict:
+def training_prompts(directory: Path, *, code_prompts: int, samples_per_request: int, seed: int = 0,
+                     code_roots: tuple[Path, ...] = ()) -> dict:
     """The training mix before the target's own prompts exist: {"chat": [...], "code": [...],
-    "meta": [...]}; checked to share no text with any evaluation set."""
+    "meta": [...]}; checked to share no text with any evaluation set. Code prompts come from the
+    standard library, then from `code_roots` in turn, until `code_prompts` are found."""
     train_alpaca, _ = alpaca_split(directory)
     evaluation = {item["text"].strip() for items in evaluation_sets(directory).values() for item in items}
     # AlpacaEval repeats a few MT-Bench questions: those stay out of training.
     train_alpaca = [t for t in train_alpaca if t.strip() not in evaluation]
-    out = {"chat": train_alpaca, "code": stdlib_code_prompts(code_prompts, seed), "meta": meta_prompts(
-        samples_per_request)}
+    code = stdlib_code_prompts(code_prompts, seed)
+    for root in code_roots:
+        if not Path(root).is_dir():
+            raise FileNotFoundError(f"code root {root} is not a directory")
+        seen = set(code)
+        code += [p for p in stdlib_code_prompts(code_prompts - len(code), seed, root) if p not in seen]
+    out = {"chat": train_alpaca, "code": code, "meta": meta_prompts(samples_per_request)}
     leaked = [t for texts in out.values() for t in texts if t.strip() in evaluation]
     if leaked:
         raise ValueError(f"{len(leaked)} training prompts are evaluation prompts, e.g. {leaked[0][:80]!r}")

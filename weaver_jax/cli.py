@@ -61,7 +61,11 @@ def _train_prompts(args) -> int:
     if not args.offline:
         _prompts.fetch_distributions(packages)
     mix = _prompts.training_prompts(packages, code_prompts=args.code_prompts,
-                                    samples_per_request=args.samples_per_request, seed=args.seed)
+                                    samples_per_request=args.samples_per_request, seed=args.seed,
+                                    code_roots=tuple(Path(r) for r in args.code_root))
+    if len(mix["code"]) < args.code_prompts:
+        print(f"note: the code sources hold {len(mix['code'])} prompts, fewer than --code-prompts "
+              f"{args.code_prompts} (add sources with --code-root DIR)")
     evaluation = _prompts.evaluation_sets(packages)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--packages", help="where the prompt sets' distributions are (default OUT/packages)")
     p.add_argument("--offline", action="store_true", help="do not download the distributions")
     p.add_argument("--code-prompts", type=int, default=4000)
+    p.add_argument("--code-root", action="append", default=[], metavar="DIR",
+                   help="more Python sources for code prompts after the standard library (e.g. a site-packages "
+                        "folder); repeatable")
     p.add_argument("--samples-per-request", type=int, default=8, help="self-written prompts per topic and kind")
     p.add_argument("--seed", type=int, default=0)
 
