@@ -56,11 +56,11 @@ minutes_left() {  # what remains of a 10-minute call, less a margin for export a
   python3 -c "print(max(0.5, min($1, (555 - $SECONDS) / 60 - 0.6)))"
 }
 
+gguf_ok() { [ -f "$GGUF" ] && [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" = "$(grep "$(basename "$GGUF")" "$SUMS" | cut -d' ' -f1)" ]; }
+
 stage() {  # the GGUF from carried pieces (unpack) or parts: say what has arrived and what is missing
   unpack
-  if [ -f "$GGUF" ] && [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" = "$(grep "$(basename "$GGUF")" "$SUMS" | cut -d' ' -f1)" ]; then
-    echo "staged: $GGUF"; return 0
-  fi
+  if gguf_ok; then echo "staged: $GGUF"; return 0; fi
   cp .stage/gguf/part-* "$STAGE/" 2>/dev/null
   local missing=0
   while read -r sum name; do
@@ -71,7 +71,7 @@ stage() {  # the GGUF from carried pieces (unpack) or parts: say what has arrive
   done < "$SUMS"
   [ $missing = 1 ] && return 0
   cat "$STAGE"/part-* > "$GGUF.tmp" && mv "$GGUF.tmp" "$GGUF"
-  if [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" = "$(grep "$(basename "$GGUF")" "$SUMS" | cut -d' ' -f1)" ]; then
+  if gguf_ok; then
     echo "assembled: $GGUF"
   else echo "assembled file has the wrong checksum"; rm -f "$GGUF"; return 1; fi
 }
@@ -107,14 +107,17 @@ send() {
   else echo "outbox: empty"; fi
 }
 
-unpack() {  # the carried .stage/carry/NAME.* into the stage, once a set is complete and its sums check
+unpack() {  # the carried .stage/carry/NAME.* into the stage, once a set is complete and its sums check;
+  # each set once per machine (NAME.done keeps its manifest): a later call that carries the same manifest
+  # must not extract an old run over the training done since
   mkdir -p "$STAGE/inbox"; cp .stage/carry/* "$STAGE/inbox/" 2>/dev/null
   local manifest name
   for manifest in "$STAGE"/inbox/*.sha256; do
     [ -f "$manifest" ] || continue
     name=$(basename "$manifest" .sha256)
+    cmp -s "$manifest" "$STAGE/inbox/$name.done" && continue
     if (cd "$STAGE/inbox" && sha256sum --quiet -c "$name.sha256" >/dev/null 2>&1); then
-      cat "$STAGE/inbox/$name".tgz.* | tar xzf - -C "$STAGE" && echo "unpacked: $name" && rm "$manifest"
+      cat "$STAGE/inbox/$name".tgz.* | tar xzf - -C "$STAGE" && echo "unpacked: $name" && cp "$manifest" "$STAGE/inbox/$name.done"
     else echo "waiting for pieces of $name: $(cd "$STAGE/inbox" && sha256sum -c "$name.sha256" 2>&1 | grep -c FAILED) missing or corrupt"; fi
   done
 }
@@ -146,8 +149,8 @@ while [ $# -gt 0 ]; do
       need_gguf
       timeout $((560 - SECONDS)) $W train-data "$(prompts)/prompts.json" "$STAGE/data" --model "$GGUF" --batch 512 \
         --sampled-copies "${SAMPLED_COPIES:-1}" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
-      if python3 -c "import json, pathlib, sys; d = pathlib.Path(sys.argv[1]); sys.exit(len(list(d.glob('part-*.npz')))
-          != json.loads((d / 'manifest.json').read_text())['parts'])" "$STAGE/data" 2>/dev/null; then
+      if python3 -c "import sys; from weaver_jax._train_data import complete_parts; complete_parts(sys.argv[1])" \
+          "$STAGE/data" 2>/dev/null; then
         pack data data
       else echo "data: $(ls "$STAGE/data" | grep -c '^part-') parts so far; run 'data' again to continue"; fi
       shift ;;

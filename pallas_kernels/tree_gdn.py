@@ -20,7 +20,7 @@ at batch 1, a smaller state tile each). Outputs: out `[B, T, H_v, d_v]` float32,
 
 Products: float32 operands on tensor cores, at the precision of JAX's matmuls in scope (as XLA's own
 float32 products on a GPU): single-pass TF32 by default (as `jax.lax.Precision.DEFAULT` there), three
-TF32 passes (`TF32_TF32_F32_X3`, about float32's accuracy; ~10x slower on the H200) under "highest" /
+TF32 passes (`TF32_TF32_F32_X3`, about float32's accuracy; 6-23x slower on the H200) under "highest" /
 "float32" (`jax.default_matmul_precision`); "ieee" (float32 on the FMA path: whole K = 128 rows per
 thread, it spilled) only when asked. In interpret mode (CPU) at full float32.
 

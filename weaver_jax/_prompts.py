@@ -128,7 +128,7 @@ def stdlib_code_prompts(count: int, seed: int = 0, root: Path | None = None) -> 
     rng = random.Random(seed)
     rng.shuffle(files)
     prompts, seen = [], set()
-    for path in files:
+    for path in files if count > 0 else ():
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
@@ -166,10 +166,11 @@ def training_prompts(directory: Path, *, code_prompts: int, samples_per_request:
     evaluation = {item["text"].strip() for items in evaluation_sets(directory).values() for item in items}
     # AlpacaEval repeats a few MT-Bench questions: those stay out of training.
     train_alpaca = [t for t in train_alpaca if t.strip() not in evaluation]
-    code = stdlib_code_prompts(code_prompts, seed)
     for root in code_roots:
         if not Path(root).is_dir():
             raise FileNotFoundError(f"code root {root} is not a directory")
+    code = stdlib_code_prompts(code_prompts, seed)
+    for root in code_roots:
         seen = set(code)
         code += [p for p in stdlib_code_prompts(code_prompts - len(code), seed, root) if p not in seen]
     out = {"chat": train_alpaca, "code": code, "meta": meta_prompts(samples_per_request)}

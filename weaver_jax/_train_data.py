@@ -130,6 +130,12 @@ def generate_dataset(bundle, prompts: dict[str, list[str]], out_dir: str | Path,
 def load_dataset(directory: str | Path) -> dict[str, np.ndarray]:
     """All parts of a data directory concatenated: tokens `[N, L]` (-1 padded), prompt_lengths,
     lengths, source `[N]`. Refuses a directory whose parts are missing."""
+    parts = [dict(np.load(p)) for p in complete_parts(directory)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def complete_parts(directory: str | Path) -> list[Path]:
+    """The part files of a finished data directory, in order; FileNotFoundError naming what is missing."""
     directory = Path(directory)
     manifest_path = directory / "manifest.json"
     if not manifest_path.exists():
@@ -140,8 +146,7 @@ def load_dataset(directory: str | Path) -> dict[str, np.ndarray]:
     if missing:
         raise FileNotFoundError(f"{directory} is incomplete: {len(missing)} of {len(paths)} parts missing "
                                 f"(first: {missing[0]}); rerun `weaver-jax train-data` to finish it")
-    parts = [dict(np.load(p)) for p in paths]
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return paths
 
 
 def subset(data: dict[str, np.ndarray], count: int, seed: int = 0) -> dict[str, np.ndarray]:
