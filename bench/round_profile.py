@@ -10,7 +10,8 @@ tree, verify, accept, drafter_commit; the rest of the loop body is "loop"; outsi
 Rows per stage: GPU busy microseconds and kernels per round (a round of "ar" is a decode step), and per
 configuration the wall time per round: wall minus the busy sum is the time the GPU waited on the host.
 `--random-target` replaces the GGUF target by random weights of that shape (speed does not depend on
-weight values with EOS off) beside the shipped SmolLM2 drafter and adapter.
+weight values with EOS off) beside the shipped SmolLM2 drafter and adapter (`--drafter-layers N`: a random
+drafter of N layers instead, to price a deeper one).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -29,6 +31,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,6 +41,7 @@ from kernel_times import gpu_events  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
 from weaver_jax import _generate, _load  # noqa: E402
+from weaver_jax._drafter import Drafter  # noqa: E402
 from weaver_jax.pallas_kernels import kernel_scope  # noqa: E402
 
 STAGES = ("drafter", "tree", "verify", "accept", "drafter_commit")
@@ -92,7 +96,10 @@ def bundle_for(args) -> wj.Bundle:
     target = bench.random_target(config)
     shipped = _load.SHIPPED_WEIGHTS / "smollm2-135m-instruct"
     part = lambda kind: _load._load_part(Path(getattr(args, kind) or shipped / kind), kind, config.dtype, config)  # noqa: E731
-    return wj.Bundle(target, drafter=part("drafter"), adapter=part("adapter"))
+    drafter = part("drafter")
+    if args.drafter_layers:  # a random drafter of another depth, to price it before training one
+        drafter = Drafter(dataclasses.replace(drafter.config, num_layers=args.drafter_layers), rngs=nnx.Rngs(0))
+    return wj.Bundle(target, drafter=drafter, adapter=part("adapter"))
 
 
 def main():
@@ -102,6 +109,8 @@ def main():
     parser.add_argument("--drafter")
     parser.add_argument("--adapter")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
+    parser.add_argument("--drafter-layers", type=int, default=0,
+                        help="with --random-target: a random drafter of this many layers (the shipped one's shape)")
     parser.add_argument("--config", nargs="+", default=["ar", "dflash", "ddtree:budget=64", "weaver:budget=64"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-length", type=int, default=128)
