@@ -2,17 +2,29 @@
 the response, the losses go down, and an interrupted run resumes to the same parameters."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from weaver_jax import testing, training
 from weaver_jax._adapter import Adapter, random_adapter_config
 from weaver_jax._model import KVCache
-from weaver_jax._train import TrainConfig, adapter_loss, batch_indices, drafter_loss, fit, read_log, sample_anchors
+from weaver_jax._train import (
+    TrainConfig,
+    _chain_tau,
+    _optimizer,
+    adapter_loss,
+    batch_indices,
+    drafter_loss,
+    fit,
+    read_log,
+    sample_anchors,
+)
 
 
 def _bundle(seed=0, block_size=6):
@@ -105,11 +117,16 @@ def test_drafter_training_lowers_the_loss_and_resumes_exactly(trained_setup, tmp
                          distill=0.5)
     loss_fn = training.drafter_loss_fn(config)
     fresh = lambda: jax.tree.map(jnp.copy, bundle.drafter)  # noqa: E731
-    whole, info = fit(fresh(), loss_fn, data, config, tmp_path / "a", frozen=(bundle.target,))
+    held_out = {k: v[:5] for k, v in data.items()}  # evaluated at every checkpoint (5 rows: one wrapped batch)
+    whole, info = fit(fresh(), loss_fn, data, config, tmp_path / "a", frozen=(bundle.target,), eval_data=held_out)
     assert info["finished"] and info["step"] == 30
     log = read_log(tmp_path / "a")
     for key in ("loss", "kl"):
         assert np.mean([r[key] for r in log[-5:]]) < 0.8 * np.mean([r[key] for r in log[:5]]), key
+    evals = [r for r in log if "eval_tau_chain" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert 1 <= evals[0]["eval_tau_chain"] < evals[-1]["eval_tau_chain"] and info["eval"] == {
+        k: v for k, v in evals[-1].items() if k.startswith("eval_")}
     # Interrupted by its time budget after one step, then resumed: same parameters.
     short = dataclasses.replace(config, steps=30)
     part, info = fit(fresh(), loss_fn, data, short, tmp_path / "b", max_seconds=0.0, frozen=(bundle.target,))
@@ -119,11 +136,56 @@ def test_drafter_training_lowers_the_loss_and_resumes_exactly(trained_setup, tmp
     for a, b in zip(jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert [r["step"] for r in read_log(tmp_path / "b")] == list(range(1, 31))
+    # A warm start from the parameters at step 20 (no optimiser state): its first step scores the loss
+    # run "a" had there, interrupted and resumed it equals an uninterrupted warm start (the schedule's
+    # offset is kept in the run), and it goes on learning.
+    at_20 = lambda: training.restore(fresh(), tmp_path / "a", 20)  # noqa: E731
+    _, info = fit(at_20(), loss_fn, data, config, tmp_path / "c", max_seconds=0.0, frozen=(bundle.target,),
+                  start_step=20)
+    assert info["step"] == 21 and not info["finished"]
+    assert read_log(tmp_path / "c")[0]["loss"] == pytest.approx(log[20]["loss"], rel=1e-6)
+    resumed, info = fit(fresh(), loss_fn, data, config, tmp_path / "c", frozen=(bundle.target,))
+    assert info["finished"] and [r["step"] for r in read_log(tmp_path / "c")] == list(range(21, 31))
+    whole, _ = fit(at_20(), loss_fn, data, config, tmp_path / "d", frozen=(bundle.target,), start_step=20)
+    for a, b in zip(jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert np.mean([r["loss"] for r in read_log(tmp_path / "c")[-5:]]) < 0.8 * np.mean([r["loss"] for r in log[:5]])
+    with pytest.raises(ValueError, match="a warm start at step 30: the run has 30 steps"):
+        fit(fresh(), loss_fn, data, config, tmp_path / "e", start_step=30)
+
+
+def test_chain_tau_counts_leading_hits_plus_the_bonus():
+    hit = jnp.array([[[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]]], bool)
+    assert float(_chain_tau(hit, jnp.array([[True, True, False]]))) == (3 + 1) / 2
+    assert float(_chain_tau(hit, jnp.array([[False, False, True]]))) == 5
+
+
+def test_warm_start_schedule():
+    """A fresh optimiser at a warm start's step S applies the schedule's rate at S + k, re-warmed
+    linearly over the warmup length: with a constant gradient from zero, Adam's bias-corrected step is
+    the learning rate itself (up to epsilon and the tiny weight decay)."""
+    config = TrainConfig(steps=100, learning_rate=1e-2)  # warmup 4 steps, cosine to 1e-3 at step 100
+
+    def rate(step):  # warmup-cosine, written out
+        if step < 4:
+            return 1e-2 * step / 4
+        return 1e-3 + 0.5 * (1e-2 - 1e-3) * (1 + np.cos(np.pi * (step - 4) / 96))
+
+    for start, expected in ((0, [rate(k) for k in range(8)]),
+                            (50, [rate(50 + k) * min(1.0, (k + 1) / 4) for k in range(8)])):
+        optimizer = _optimizer(config, start)
+        params = {"w": jnp.zeros(())}
+        state, steps = optimizer.init(params), []
+        for _ in range(8):
+            updates, state = optimizer.update({"w": jnp.float32(0.5)}, state, params)
+            params = optax.apply_updates(params, updates)
+            steps.append(-float(updates["w"]))
+        np.testing.assert_allclose(steps, expected, rtol=2e-3)
 
 
 def test_adapter_training_beats_the_drafter_alone(trained_setup, tmp_path):
     """With the drafter frozen (random here), the adapter learns to re-rank the pool: its top-1
-    accuracy in the pool ends above the drafter's own."""
+    accuracy in the pool, and the chain of its top-1 choices, end above the drafter's own."""
     bundle, data = trained_setup
     k = bundle.drafter.config.block_size - 1
     adapter = Adapter(random_adapter_config(bundle.config, depth=k, pool=32), rngs=nnx.Rngs(5))
@@ -134,6 +196,7 @@ def test_adapter_training_beats_the_drafter_alone(trained_setup, tmp_path):
     log = read_log(tmp_path)
     assert np.mean([r["loss"] for r in log[-5:]]) < 0.8 * np.mean([r["loss"] for r in log[:5]])
     assert np.mean([r["acc"] - r["acc_drafter"] for r in log[-5:]]) > 0.1
+    assert np.mean([r["tau_chain"] - r["tau_chain_drafter"] for r in log[-5:]]) > 0  # its top-1 path runs longer
 
 
 def test_distillation_reads_the_targets_next_token_distribution(trained_setup):
@@ -217,9 +280,24 @@ def test_cli_trains_exports_and_resumes(trained_setup, tmp_path, capsys):
     assert "no checkpoint at step 1; it holds steps [2, 4]" in capsys.readouterr().err
     assert cli.main(["train-export", "adapter", str(tmp_path / "d_run"), str(tmp_path / "adapter_2")]) == 2
     assert "holds no adapter training run" in capsys.readouterr().err
+    drafter_flags = ["--block-size", "5", "--num-features", "2"]
     assert cli.main(["train-drafter", str(data_dir), str(tmp_path / "d_run"), *common, "--layers", "2",
-                     "--block-size", "5", "--num-features", "2"]) == 2
+                     *drafter_flags]) == 2
     assert "differs in ['num_layers']" in capsys.readouterr().err
+    # A warm start from the step-2 export (parameters only) continues at step 3 with a fresh optimiser
+    assert cli.main(["train-drafter", str(data_dir), str(tmp_path / "warm"), *common, "--layers", "1", *drafter_flags,
+                     "--init", str(tmp_path / "drafter_2"), "--init-step", "2"]) == 0
+    assert (tmp_path / "warm" / "4").exists() and not (tmp_path / "warm" / "2").exists()
+    assert json.loads((tmp_path / "warm" / "warm_start.json").read_text()) == {"start_step": 2}
+    capsys.readouterr()
+    for flags, error in ((["--layers", "2", "--init", str(tmp_path / "drafter_2")], "differs from the run's in "
+                                                                                    "['num_layers']"),
+                         (["--layers", "1", "--init", str(tmp_path / "adapter")], "of kind 'adapter', not 'drafter'"),
+                         (["--layers", "1", "--init-step", "2"], "--init-step needs --init")):
+        assert cli.main(["train-drafter", str(data_dir), str(tmp_path / "refused"), *common, *drafter_flags,
+                         *flags]) == 2
+        assert error in capsys.readouterr().err
+        assert not (tmp_path / "refused" / "module.json").exists()  # a refused run leaves nothing to block a fix
 
 
 def _greedy(bundle, prompts, **kwargs):

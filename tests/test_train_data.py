@@ -110,6 +110,24 @@ def test_dataset_is_the_targets_own_decoding_and_resumes(tmp_path):
         load_dataset(out)
     generate_dataset(bundle, prompts, tmp_path, **options)
     np.testing.assert_array_equal(np.load(tmp_path / "part-00001.npz")["tokens"], before)
+    # Greedy answers only (held-out evaluation data): the same sequences as the greedy copies above
+    options["sampled_copies"] = 0
+    greedy_only = load_dataset(generate_dataset(bundle, prompts, tmp_path / "greedy", **options))
+    for key in data:
+        np.testing.assert_array_equal(greedy_only[key], data[key][:n])
+
+
+def test_train_data_refuses_the_wrong_kind_of_prompts(tmp_path, capsys):
+    """train-data --held-out reads eval_prompts.json's sets; each file without the right flag is refused."""
+    from weaver_jax import cli
+
+    (tmp_path / "eval.json").write_text(json.dumps({"mt_bench": [{"id": "1", "text": "hi", "kind": "chat"}]}))
+    (tmp_path / "train.json").write_text(json.dumps({"chat": ["hi"], "code": [], "meta": []}))
+    assert cli.main(["train-data", str(tmp_path / "eval.json"), str(tmp_path / "out")]) == 2
+    assert "is an eval_prompts.json (held-out sets): add --held-out" in capsys.readouterr().err
+    assert cli.main(["train-data", str(tmp_path / "train.json"), str(tmp_path / "out"), "--held-out"]) == 2
+    assert "is a training mix: drop --held-out" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_subset_draws_sequences_across_sources():

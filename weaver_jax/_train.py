@@ -16,13 +16,17 @@ orbax `CheckpointManager` (parameters, optimiser state and step; resumes from th
 `keep_every`, the steps kept for a τ-against-steps curve, read back by `restore`), a
 deterministic batch order (a function of the step, so a resumed run sees the batches an
 uninterrupted one would), a progress bar, a JSON-lines loss log, and a time budget after which it
-checkpoints and returns.
+checkpoints and returns. A warm start (`start_step`) continues a run from its parameters alone: the
+optimiser state (Adam's moments, twice the parameters) is what a run carried between machines can
+leave behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -111,6 +115,15 @@ def _weighted_mean(x, weights) -> jax.Array:
     return jnp.sum(x * weights) / jnp.maximum(jnp.sum(weights), 1e-6)
 
 
+def _chain_tau(hit, ok) -> jax.Array:
+    """Tokens per verification of a chain proposal, teacher-forced: at each anchor, the bonus token plus
+    the leading block positions proposed right. hit `[B, A, K]`, ok `[B, A]`. On greedy data (the
+    target's own argmax continuation) this is the chain's τ at temperature 0 averaged over positions
+    (decoding averages over round starts instead)."""
+    accepted = jnp.sum(jnp.cumprod(hit.astype(jnp.int32), -1), -1)
+    return jnp.sum((1 + accepted) * ok) / jnp.maximum(jnp.sum(ok), 1)
+
+
 def _drafter_blocks(target, drafter, batch, key, anchors: int):
     """Shared by both losses: -> (drafter states `[B, A, b-1, D]`, anchors, ok, labels, valid, hidden)."""
     tokens, prompt_lengths, lengths = batch["tokens"], batch["prompt_lengths"], batch["lengths"]
@@ -128,14 +141,15 @@ def drafter_loss(drafter, target, batch: dict, key: jax.Array, *, anchors: int, 
     """DESIGN 3.2's loss (module docstring: `distill`). batch: tokens `[B, T]` (-1 padded),
     prompt_lengths, lengths `[B]`. -> (loss, metrics: accuracy of the first block position, weighted
     accuracy; with distill: the KL and how often the target's argmax is the data's token)."""
-    states, anchor_pos, _, labels, valid, final_hidden = _drafter_blocks(target, drafter, batch, key, anchors)
+    states, anchor_pos, ok, labels, valid, final_hidden = _drafter_blocks(target, drafter, batch, key, anchors)
     logits = target.head(states)  # [B, A, b-1, V] float32
     ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
     weights = valid * _decay(labels.shape[-1], gamma)
     loss = _weighted_mean(ce, weights)
     hit = jnp.argmax(logits, -1) == labels
     metrics = {"acc_1": jnp.sum(hit[..., 0] & valid[..., 0]) / jnp.maximum(jnp.sum(valid[..., 0]), 1),
-               "acc": jnp.sum(hit * valid) / jnp.maximum(jnp.sum(valid), 1)}
+               "acc": jnp.sum(hit * valid) / jnp.maximum(jnp.sum(valid), 1),
+               "tau_chain": _chain_tau(hit & valid, ok)}
     if distill:
         teacher = _teacher_log_probs(target, final_hidden, anchor_pos, labels.shape[-1])
         kl = _weighted_mean(_kl(teacher, logits), weights)
@@ -175,9 +189,11 @@ def adapter_loss(adapter, target, drafter, batch: dict, key: jax.Array, *, ancho
     ce = jax.nn.logsumexp(scores, -1) - pick(scores)
     loss = _weighted_mean(ce, in_pool * _decay(k, gamma))
     count = jnp.maximum(jnp.sum(in_pool), 1)
-    metrics = {"acc": jnp.sum((jnp.argmax(scores, -1) == target_idx) & in_pool) / count,
+    hit = (jnp.argmax(scores, -1) == target_idx) & in_pool
+    metrics = {"acc": jnp.sum(hit) / count,
                "acc_drafter": jnp.sum((target_idx == 0) & in_pool) / count,
-               "in_pool": jnp.sum(in_pool) / jnp.maximum(jnp.sum(valid), 1)}
+               "in_pool": jnp.sum(in_pool) / jnp.maximum(jnp.sum(valid), 1),
+               "tau_chain": _chain_tau(hit, ok), "tau_chain_drafter": _chain_tau((target_idx == 0) & in_pool, ok)}
     if distill:
         teacher = _teacher_log_probs(target, final_hidden, anchor_pos, k)  # [B, A, K, V]
         pool_teacher = jax.nn.log_softmax(jnp.take_along_axis(teacher, pool_ids, -1), -1)
@@ -191,12 +207,44 @@ def _global_norm(tree) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def _optimizer(config: TrainConfig):
+def _optimizer(config: TrainConfig, start_step: int = 0):
+    """AdamW on the warmup-cosine schedule; from a warm start at `start_step` the fresh optimiser's
+    count 0 is that step of the schedule, re-warmed over the warmup length (a fresh Adam's first
+    updates are sign-like: full size for every parameter)."""
+    warmup = max(1, int(config.warmup * config.steps))
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, max(1, int(config.warmup * config.steps)), max(config.steps, 2),
-        end_value=0.1 * config.learning_rate)
+        0.0, config.learning_rate, warmup, max(config.steps, 2), end_value=0.1 * config.learning_rate)
+    if start_step:
+        base = schedule
+        schedule = lambda count: base(count + start_step) * jnp.minimum(1.0, (count + 1) / warmup)  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(config.clip),
                        optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+@functools.lru_cache(maxsize=8)
+def _train_step(graphdef, frozen_graphdefs: tuple, loss_fn: Callable, config: TrainConfig, start_step: int):
+    """The jitted step of `fit`, shared by fits of the same module, loss and schedule (a resumed or
+    repeated run compiles once)."""
+    optimizer = _optimizer(config, start_step)
+
+    def loss(params, frozen, batch, key):
+        frozen_modules = (nnx.merge(g, f) for g, f in zip(frozen_graphdefs, frozen, strict=True))
+        return loss_fn(nnx.merge(graphdef, params), *frozen_modules, batch, key)
+
+    @jax.jit
+    def train_step(state, frozen, batch, step):
+        key = jax.random.fold_in(jax.random.key(config.seed), step)
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state["params"], frozen, batch, key)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state},
+                {"loss": value, "grad_norm": _global_norm(grads), **metrics})
+
+    @jax.jit
+    def eval_step(params, frozen, batch, index):  # the same anchors at every evaluation
+        value, metrics = loss(params, frozen, batch, jax.random.fold_in(jax.random.key(config.seed + 1), index))
+        return {"loss": value, **metrics}
+
+    return train_step, eval_step
 
 
 def batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
@@ -211,21 +259,37 @@ def batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
 
 
 def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, checkpoint_dir: str | Path, *,
-        max_seconds: float | None = None, desc: str = "train", frozen: tuple = ()) -> tuple[nnx.Module, dict]:
+        max_seconds: float | None = None, desc: str = "train", frozen: tuple = (),
+        start_step: int = 0, eval_data: dict | None = None) -> tuple[nnx.Module, dict]:
     """Train `module` (its nnx.Param leaves) to minimise `loss_fn(module, *frozen, batch, key)`
-    -> (loss, metrics). Resumes from the latest checkpoint in `checkpoint_dir`.
+    -> (loss, metrics). Resumes from the latest checkpoint in `checkpoint_dir`; when there is none
+    and `start_step` > 0, warm-starts: training begins at that step from `module`'s parameters with a
+    fresh optimiser (`_optimizer`), recorded in `checkpoint_dir/warm_start.json` so that resuming the
+    run rebuilds the same schedule. With `eval_data` (held-out sequences, same form as `data`), every
+    checkpoint also logs the loss's metrics on all of them as `eval_*` (fixed anchors: a curve).
     data: arrays with a leading sequence axis (`_train_data.load_dataset`). Returns the module
-    and {"step", "finished", "last": the last logged metrics}."""
+    and {"step", "finished", "last": the last logged metrics, "eval": the last evaluation (with eval_data)}."""
     import orbax.checkpoint as ocp
 
+    if not 0 <= start_step < config.steps:
+        raise ValueError(f"a warm start at step {start_step}: the run has {config.steps} steps")
     checkpoint_dir = Path(checkpoint_dir).absolute()
-    graphdef, params = nnx.split(module, nnx.Param)
-    optimizer = _optimizer(config)
-    state = {"params": params, "opt_state": optimizer.init(params)}
     manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
         max_to_keep=2, keep_period=config.keep_every or None, create=True))
+    warm_start = checkpoint_dir / "warm_start.json"
     start = manager.latest_step() or 0
-    if start:
+    if start and start_step:
+        print(f"{desc}: resuming {checkpoint_dir} at its step {start}; the warm start applies to a new run only",
+              file=sys.stderr)
+    elif not start:
+        warm_start.unlink(missing_ok=True)
+        if start_step:
+            warm_start.write_text(json.dumps({"start_step": start_step}))
+        start = start_step
+    graphdef, params = nnx.split(module, nnx.Param)
+    offset = json.loads(warm_start.read_text())["start_step"] if warm_start.exists() else 0
+    state = {"params": params, "opt_state": _optimizer(config, offset).init(params)}
+    if manager.latest_step():
         state = manager.restore(start, args=ocp.args.StandardRestore(state))
     log_path = checkpoint_dir / "log.jsonl"
     kept = [line for line in (log_path.read_text().splitlines() if log_path.exists() else [])
@@ -233,44 +297,51 @@ def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, 
     log_path.write_text("".join(line + "\n" for line in kept))
     n = len(data["lengths"])
 
-    frozen = tuple(nnx.split(m) for m in frozen)
+    frozen_graphdefs = tuple(nnx.graphdef(m) for m in frozen)
+    frozen = tuple(nnx.state(m) for m in frozen)
+    train_step, eval_step = _train_step(graphdef, frozen_graphdefs, loss_fn, config, offset)
+    keys = ("tokens", "prompt_lengths", "lengths")
+    if eval_data is not None:  # whole batches: the last one wraps around to the first sequences
+        count = len(eval_data["lengths"])
+        wrap = np.arange(-(-count // config.batch_size) * config.batch_size) % count
+        eval_batches = [{k: jnp.asarray(eval_data[k][wrap[i : i + config.batch_size]]) for k in keys}
+                        for i in range(0, len(wrap), config.batch_size)]
 
-    @jax.jit
-    def train_step(state, frozen, batch, step):
-        def loss(p):
-            key = jax.random.fold_in(jax.random.key(config.seed), step)
-            return loss_fn(nnx.merge(graphdef, p), *(nnx.merge(*f) for f in frozen), batch, key)
-        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        return ({"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state},
-                {"loss": value, "grad_norm": _global_norm(grads), **metrics})
+    def evaluate(params) -> dict:
+        metrics = [eval_step(params, frozen, b, jnp.int32(i)) for i, b in enumerate(eval_batches)]
+        return {f"eval_{k}": float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
 
-    began, last, step = time.monotonic(), {}, start
+    began, last, last_eval, step = time.monotonic(), {}, {}, start
     with tqdm(total=config.steps, initial=start, desc=desc) as bar, open(log_path, "a") as log:
         while step < config.steps:
             idx = batch_indices(n, step, config.batch_size, config.seed)
-            batch = {k: jnp.asarray(data[k][idx]) for k in ("tokens", "prompt_lengths", "lengths")}
+            batch = {k: jnp.asarray(data[k][idx]) for k in keys}
             state, metrics = train_step(state, frozen, batch, jnp.int32(step))
             step += 1
             bar.update(1)
+            record = {}
             if step % config.log_every == 0 or step == config.steps:
-                last = {"step": step, **{k: float(v) for k, v in metrics.items()},
-                        "seconds": time.monotonic() - began}
+                record = last = {"step": step, **{k: float(v) for k, v in metrics.items()}}
                 if not np.isfinite(last["loss"]):
                     raise FloatingPointError(f"{desc}: loss is {last['loss']} at step {step}; checkpoint kept at "
                                              f"step {manager.latest_step()}")
-                log.write(json.dumps(last) + "\n")
-                log.flush()
                 bar.set_postfix(loss=f"{last['loss']:.3f}")
             out_of_time = max_seconds is not None and time.monotonic() - began > max_seconds
             kept = config.keep_every and step % config.keep_every == 0
             if step % config.save_every == 0 or kept or step == config.steps or out_of_time:
                 manager.save(step, args=ocp.args.StandardSave(state))
+                if eval_data is not None:
+                    last_eval = evaluate(state["params"])
+                    record = {"step": step, **record, **last_eval}
+            if record:
+                log.write(json.dumps({**record, "seconds": time.monotonic() - began}) + "\n")
+                log.flush()
             if out_of_time:
                 break
     manager.wait_until_finished()
     manager.close()
-    return nnx.merge(graphdef, state["params"]), {"step": step, "finished": step >= config.steps, "last": last}
+    info = {"step": step, "finished": step >= config.steps, "last": last}
+    return nnx.merge(graphdef, state["params"]), {**info, "eval": last_eval} if last_eval else info
 
 
 def restore(module: nnx.Module, checkpoint_dir: str | Path, step: int | None = None) -> nnx.Module:
@@ -299,17 +370,20 @@ def read_log(checkpoint_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def plot_log(checkpoint_dir: str | Path, out: str | Path, keys: tuple[str, ...] = ("loss",)) -> Path:
-    """Loss curves of a training run (directory or log file) as a PNG (needs matplotlib)."""
+def plot_log(checkpoint_dir: str | Path, out: str | Path, keys: tuple[str, ...] | None = None) -> Path:
+    """Curves of a training run (directory or log file) as a PNG (needs matplotlib): `keys`, by
+    default every metric in the log (`eval_*` ones at the steps they were measured)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_log(checkpoint_dir)
+    if keys is None:
+        keys = tuple(k for k in dict.fromkeys(k for r in rows for k in r) if k not in ("step", "seconds"))
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
+        ax.plot([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r])
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)

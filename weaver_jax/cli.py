@@ -79,12 +79,19 @@ def _train_prompts(args) -> int:
 def _train_data(args) -> int:
     from weaver_jax._train_data import generate_dataset
 
-    bundle = weaver_jax.load(args.model, dtype=args.dtype)
     prompts = json.loads(Path(args.prompts).read_text())
+    held_out = any(isinstance(item, dict) for items in prompts.values() for item in items)  # {"text": ...} items
+    if args.held_out != held_out:
+        raise ValueError(f"{args.prompts} is {'an eval_prompts.json (held-out sets)' if held_out else 'a training mix'}"
+                         f": {'add' if held_out else 'drop'} --held-out")
+    if held_out:  # every set's prompts as chat messages, answered greedily (what tau.py decodes)
+        prompts = {"chat": [item["text"] for items in prompts.values() for item in items]}
     if args.limit:
         prompts = {k: v[: args.limit] for k, v in prompts.items()}
+    bundle = weaver_jax.load(args.model, dtype=args.dtype)
     out = generate_dataset(bundle, prompts, args.out, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens,
-                           max_new_tokens=args.max_new_tokens, sampled_copies=args.sampled_copies, seed=args.seed)
+                           max_new_tokens=args.max_new_tokens, seed=args.seed,
+                           sampled_copies=0 if held_out else args.sampled_copies)
     print(f"data -> {out}")
     return 0
 
@@ -100,8 +107,8 @@ def _mask_token_id(bundle) -> int:
 
 
 def _module_config(run_dir, kind: str, proposed):
-    """A training run keeps its module config in `run_dir/module.json`: a resumed run reuses it and
-    refuses flags that would change it."""
+    """A training run keeps its module config in `run_dir/module.json` (written by `_fit_and_export`
+    once the run's inputs check): a resumed run reuses it and refuses flags that would change it."""
     path = Path(run_dir) / "module.json"
     if path.exists():
         stored = json.loads(path.read_text())
@@ -110,10 +117,24 @@ def _module_config(run_dir, kind: str, proposed):
             changed = sorted(k for k in fresh if stored.get(k) != fresh[k])
             raise ValueError(f"{run_dir} was started with another {kind} config (differs in {changed}); "
                              "resume with the same flags or choose a new run directory")
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(proposed), indent=1))
     return proposed
+
+
+def _init_module(path, kind: str, config):
+    """The parameters a run starts from (`--init`): a weaver_jax checkpoint of this kind and config."""
+    from weaver_jax.convert import checkpoint
+
+    path = Path(path)
+    if not checkpoint.is_checkpoint(path):
+        raise FileNotFoundError(f"--init {path} is not a weaver_jax checkpoint (train-export or --export writes one)")
+    if checkpoint.kind_of(path) != kind:
+        raise ValueError(f"--init {path} is a checkpoint of kind {checkpoint.kind_of(path)!r}, not {kind!r}")
+    module = checkpoint.load(path, config.dtype)[0]
+    if module.config != config:
+        changed = sorted(f.name for f in dataclasses.fields(config)
+                         if getattr(module.config, f.name) != getattr(config, f.name))
+        raise ValueError(f"--init {path}: its {kind} differs from the run's in {changed}")
+    return module
 
 
 def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
@@ -126,12 +147,21 @@ def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
     config = _train.TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors=args.anchors,
                                 learning_rate=args.lr, seed=args.seed, save_every=args.save_every,
                                 keep_every=args.keep_every, distill=args.distill)
+    if args.init:
+        module = _init_module(args.init, kind, module.config)
+    elif args.init_step:
+        raise ValueError("--init-step needs --init (the parameters to continue from)")
+    module_json = Path(args.run) / "module.json"
+    if not module_json.exists():
+        module_json.parent.mkdir(parents=True, exist_ok=True)
+        module_json.write_text(json.dumps(dataclasses.asdict(module.config), indent=1))
+    eval_data = load_dataset(args.eval_data) if args.eval_data else None
     module, info = _train.fit(module, loss_fn(config), data, config, args.run,
                               max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                              desc=f"train-{kind}", frozen=frozen)
+                              desc=f"train-{kind}", frozen=frozen, start_step=args.init_step, eval_data=eval_data)
     print(json.dumps({"kind": kind, **info}))
     try:
-        _train.plot_log(args.run, Path(args.run) / "loss.png", tuple(k for k in info["last"] if k != "step"))
+        _train.plot_log(args.run, Path(args.run) / "loss.png")
     except ImportError:
         print("matplotlib is not installed: no loss plot (the log is in log.jsonl)", file=sys.stderr)
     if not info["finished"]:
@@ -217,6 +247,11 @@ def _training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--max-minutes", type=float, default=None, help="checkpoint and stop after this long")
     p.add_argument("--export", help="when training finishes, write a weaver_jax checkpoint here")
     p.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--eval-data", help="held-out sequences (`train-data --held-out`): their metrics at every "
+                   "checkpoint, as eval_* in log.jsonl (eval_tau_chain: the chain's τ at T = 0, teacher-forced)")
+    p.add_argument("--init", help="a new run starts from this checkpoint's parameters (same config), optimiser fresh")
+    p.add_argument("--init-step", type=int, default=0,
+                   help="with --init: the step it was exported at; the run continues the schedule from there")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("train-data", help="the target's own responses to the prompt mix (resumable)")
-    p.add_argument("prompts", help="prompts.json from train-prompts")
+    p.add_argument("prompts", help="prompts.json from train-prompts (eval_prompts.json with --held-out)")
     p.add_argument("out", help="output directory (part-*.npz, token ids only)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -258,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampled-copies", type=int, default=1, help="temperature-1 responses per prompt, besides the "
                    "greedy one")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each kind (smoke tests)")
+    p.add_argument("--held-out", action="store_true", help="PROMPTS is train-prompts' eval_prompts.json: greedy "
+                   "answers only, for train-drafter / train-adapter --eval-data")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("train-drafter", help="train a block drafter on train-data output (resumable)")
