@@ -10,7 +10,13 @@
 #   bash bench/gpu_train.sh data                  # carry .stage/prompts (or its pieces: carry-prompts here):
 #                                                 # the target's own responses
 #                                                 # (SAMPLED_COPIES=2: two temperature-1 answers per prompt)
+#   bash bench/gpu_train.sh eval-data             # the target's greedy answers to the held-out prompts: the
+#                                                 # drafter / adapter stages then log eval_tau_chain etc. at
+#                                                 # every checkpoint (a τ curve without decoding)
 #   bash bench/gpu_train.sh save-run drafter      # pack runs/drafter's latest checkpoint to carry it back
+#   bash bench/gpu_train.sh save-params drafter   # or only its parameters (float32, a third of save-run's
+#                                                 # size: no Adam moments); a later session continues with
+#   INIT=export/drafter-f32 ... bash bench/gpu_train.sh drafter ...   # (a warm start: --init, --init-step)
 #   bash bench/gpu_train.sh send                  # the outbox's rest into $OUT (back-to-back calls; below)
 #   bash bench/gpu_train.sh drafter STEPS MINUTES
 #   bash bench/gpu_train.sh adapter STEPS MINUTES
@@ -130,6 +136,19 @@ latest_step() {  # the newest orbax step directory of a run
   ls "$1" | grep -E '^[0-9]+$' | sort -n | tail -1
 }
 
+complete() {  # a finished train-data directory
+  python3 -c "import sys; from weaver_jax._train_data import complete_parts; complete_parts(sys.argv[1])" "$1" 2>/dev/null
+}
+
+eval_args() {  # the held-out sequences of the eval-data stage, when made
+  if complete "$STAGE/eval_data"; then echo --eval-data "$STAGE/eval_data"; fi
+}
+
+init_args() {  # INIT=path under the stage: a new run starts from those parameters (see save-params)
+  [ -n "${INIT:-}" ] || return 0
+  echo --init "$STAGE/$INIT" --init-step "${INIT_STEP:-$(cat "$STAGE/$INIT.step" 2>/dev/null || echo 0)}"
+}
+
 while [ $# -gt 0 ]; do
   case "$1" in
     carry-gguf)  # here, not on the GPU: the package's GGUF as pieces in .stage/carry (then carry 3 a call)
@@ -145,20 +164,34 @@ while [ $# -gt 0 ]; do
       run=runs/$2; step=$(latest_step "$STAGE/$run")
       [ -n "$step" ] || { echo "no checkpoint in $STAGE/$run"; exit 1; }
       pack "run-$2" "$run/$step" $(cd "$STAGE" && ls -d "$run"/*.json* 2>/dev/null); shift 2 ;;
+    save-params)  # save-params KIND: the latest step's parameters (float32) + the run's log, for INIT=export/KIND-f32
+      run=runs/$2; step=$(latest_step "$STAGE/$run")
+      [ -n "$step" ] || { echo "no checkpoint in $STAGE/$run"; exit 1; }
+      rm -rf "$STAGE/export/$2-f32"
+      $W train-export "$2" "$STAGE/$run" "$STAGE/export/$2-f32" --step "$step" --export-dtype float32 || exit 1
+      echo "$step" > "$STAGE/export/$2-f32.step"  # the step a warm start continues from (INIT_STEP)
+      pack "params-$2" "export/$2-f32" "export/$2-f32.step" "$run/log.jsonl" "$run/module.json"; shift 2 ;;
     data)  # resumable: parts done stay (while warm); packed for carrying once complete
       need_gguf
       timeout $((560 - SECONDS)) $W train-data "$(prompts)/prompts.json" "$STAGE/data" --model "$GGUF" --batch 512 \
         --sampled-copies "${SAMPLED_COPIES:-1}" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
-      if python3 -c "import sys; from weaver_jax._train_data import complete_parts; complete_parts(sys.argv[1])" \
-          "$STAGE/data" 2>/dev/null; then
+      if complete "$STAGE/data"; then
         pack data data
       else echo "data: $(ls "$STAGE/data" | grep -c '^part-') parts so far; run 'data' again to continue"; fi
+      shift ;;
+    eval-data)  # greedy answers to the held-out prompts (446: ~1 min), packed: a few hundred KB to carry
+      need_gguf
+      if ! complete "$STAGE/eval_data"; then
+        $W train-data "$(prompts)/eval_prompts.json" "$STAGE/eval_data" --held-out --model "$GGUF" --batch 512 \
+          2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -2
+        complete "$STAGE/eval_data" && pack eval_data eval_data
+      fi
       shift ;;
     drafter)
       need_gguf
       $W train-drafter "$STAGE/data" "$STAGE/runs/drafter" --model "$GGUF" --steps "$2" --max-minutes "$(minutes_left "$3")" \
         --batch-size 32 --anchors 32 --save-every 500 --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" \
-        --max-sequences "${MAX_SEQUENCES:-0}" --layers "${DRAFTER_LAYERS:-2}" ${TRAIN_ARGS:-} \
+        --max-sequences "${MAX_SEQUENCES:-0}" --layers "${DRAFTER_LAYERS:-2}" $(init_args) $(eval_args) ${TRAIN_ARGS:-} \
         --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/drafter/log.jsonl"
       cp "$STAGE/runs/drafter/log.jsonl" "$OUT/drafter_log.jsonl"
@@ -168,7 +201,8 @@ while [ $# -gt 0 ]; do
       need_gguf
       $W train-adapter "$STAGE/data" "$STAGE/runs/adapter" --model "$GGUF" --drafter "$STAGE/export/drafter" \
         --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 \
-        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" ${TRAIN_ARGS:-} \
+        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" $(init_args) \
+        $(eval_args) ${TRAIN_ARGS:-} \
         --export "$STAGE/export/adapter" \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/adapter/log.jsonl"
