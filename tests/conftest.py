@@ -9,13 +9,6 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), os.environ.get(
         "WEAVER_JAX_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")]).strip()
 
-# Tests compile many identical programs: the two xdist workers, subprocesses (CLI, notebook kernels) and
-# fresh closures (each `fit` jits its own step) all hit JAX's persistent cache after a first compile.
-# Its key covers the jax version, the program and the flags, so it is safe to keep between runs.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), os.pardir, ".pytest_cache",
-                                                                "jax-compilation"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
