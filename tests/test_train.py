@@ -147,8 +147,10 @@ def test_drafter_training_lowers_the_loss_and_resumes_exactly(trained_setup, tmp
     resumed, info = fit(fresh(), loss_fn, data, config, tmp_path / "c", frozen=(bundle.target,))
     assert info["finished"] and [r["step"] for r in read_log(tmp_path / "c")] == list(range(21, 31))
     whole, _ = fit(at_20(), loss_fn, data, config, tmp_path / "d", frozen=(bundle.target,), start_step=20)
-    for a, b in zip(jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed)), strict=True):
+    exported = training.restore(fresh(), tmp_path / "c")  # train-export reads a warm-started run alike
+    for a, b, c in zip(*(jax.tree.leaves(nnx.state(m)) for m in (whole, resumed, exported)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(b, c)
     assert np.mean([r["loss"] for r in read_log(tmp_path / "c")[-5:]]) < 0.8 * np.mean([r["loss"] for r in log[:5]])
     with pytest.raises(ValueError, match="a warm start at step 30: the run has 30 steps"):
         fit(fresh(), loss_fn, data, config, tmp_path / "e", start_step=30)
