@@ -127,6 +127,9 @@ def test_train_data_refuses_the_wrong_kind_of_prompts(tmp_path, capsys):
     assert "is an eval_prompts.json (held-out sets): add --held-out" in capsys.readouterr().err
     assert cli.main(["train-data", str(tmp_path / "train.json"), str(tmp_path / "out"), "--held-out"]) == 2
     assert "is a training mix: drop --held-out" in capsys.readouterr().err
+    assert cli.main(["train-data", str(tmp_path / "eval.json"), str(tmp_path / "out"), "--held-out",
+                     "--sampled-copies", "1"]) == 2
+    assert "--held-out answers greedily only: drop --sampled-copies" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

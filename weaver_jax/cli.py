@@ -84,6 +84,8 @@ def _train_data(args) -> int:
     if args.held_out != held_out:
         raise ValueError(f"{args.prompts} is {'an eval_prompts.json (held-out sets)' if held_out else 'a training mix'}"
                          f": {'add' if held_out else 'drop'} --held-out")
+    if held_out and args.sampled_copies:
+        raise ValueError("--held-out answers greedily only: drop --sampled-copies")
     if held_out:  # every set's prompts as chat messages, answered greedily (what tau.py decodes)
         prompts = {"chat": [item["text"] for items in prompts.values() for item in items]}
     if args.limit:
@@ -91,7 +93,7 @@ def _train_data(args) -> int:
     bundle = weaver_jax.load(args.model, dtype=args.dtype)
     out = generate_dataset(bundle, prompts, args.out, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens,
                            max_new_tokens=args.max_new_tokens, seed=args.seed,
-                           sampled_copies=0 if held_out else args.sampled_copies)
+                           sampled_copies=0 if held_out else 1 if args.sampled_copies is None else args.sampled_copies)
     print(f"data -> {out}")
     return 0
 
@@ -151,11 +153,11 @@ def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
         module = _init_module(args.init, kind, module.config)
     elif args.init_step:
         raise ValueError("--init-step needs --init (the parameters to continue from)")
+    eval_data = load_dataset(args.eval_data) if args.eval_data else None
     module_json = Path(args.run) / "module.json"
     if not module_json.exists():
         module_json.parent.mkdir(parents=True, exist_ok=True)
         module_json.write_text(json.dumps(dataclasses.asdict(module.config), indent=1))
-    eval_data = load_dataset(args.eval_data) if args.eval_data else None
     module, info = _train.fit(module, loss_fn(config), data, config, args.run,
                               max_seconds=args.max_minutes * 60 if args.max_minutes else None,
                               desc=f"train-{kind}", frozen=frozen, start_step=args.init_step, eval_data=eval_data)
@@ -290,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--sampled-copies", type=int, default=1, help="temperature-1 responses per prompt, besides the "
-                   "greedy one")
+    p.add_argument("--sampled-copies", type=int, default=None, help="temperature-1 responses per prompt, besides "
+                   "the greedy one (default 1)")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each kind (smoke tests)")
     p.add_argument("--held-out", action="store_true", help="PROMPTS is train-prompts' eval_prompts.json: greedy "
                    "answers only, for train-drafter / train-adapter --eval-data")
