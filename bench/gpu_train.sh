@@ -144,8 +144,15 @@ eval_args() {  # the held-out sequences of the eval-data stage, when made
   if complete "$STAGE/eval_data"; then echo --eval-data "$STAGE/eval_data"; fi
 }
 
-init_args() {  # INIT=path under the stage: a new run starts from those parameters (see save-params)
+need_init() {  # INIT, when given, must name an unpacked checkpoint (else a run would start from scratch)
+  [ -z "${INIT:-}" ] || [ -f "$STAGE/$INIT/config.json" ] || {
+    echo "INIT=$INIT: no checkpoint at $STAGE/$INIT (unpacked? save-params writes export/KIND-f32)"; exit 1; }
+}
+
+init_args() {  # init_args KIND: INIT=path under the stage, a KIND checkpoint: a new run starts from its
+  # parameters (see save-params); a checkpoint of the other kind is left to the other trainer's stage
   [ -n "${INIT:-}" ] || return 0
+  grep -q "\"kind\": \"$1\"" "$STAGE/$INIT/config.json" 2>/dev/null || return 0
   echo --init "$STAGE/$INIT" --init-step "${INIT_STEP:-$(cat "$STAGE/$INIT.step" 2>/dev/null || echo 0)}"
 }
 
@@ -188,20 +195,20 @@ while [ $# -gt 0 ]; do
       fi
       shift ;;
     drafter)
-      need_gguf
+      need_gguf; need_init
       $W train-drafter "$STAGE/data" "$STAGE/runs/drafter" --model "$GGUF" --steps "$2" --max-minutes "$(minutes_left "$3")" \
         --batch-size 32 --anchors 32 --save-every 500 --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" \
-        --max-sequences "${MAX_SEQUENCES:-0}" --layers "${DRAFTER_LAYERS:-2}" $(init_args) $(eval_args) ${TRAIN_ARGS:-} \
+        --max-sequences "${MAX_SEQUENCES:-0}" --layers "${DRAFTER_LAYERS:-2}" $(init_args drafter) $(eval_args) ${TRAIN_ARGS:-} \
         --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       tail -n 3 "$STAGE/runs/drafter/log.jsonl"
       cp "$STAGE/runs/drafter/log.jsonl" "$OUT/drafter_log.jsonl"
       [ -d "$STAGE/export/drafter" ] && pack drafter export/drafter
       shift 3 ;;
     adapter)
-      need_gguf
+      need_gguf; need_init
       $W train-adapter "$STAGE/data" "$STAGE/runs/adapter" --model "$GGUF" --drafter "$STAGE/export/drafter" \
         --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 \
-        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" $(init_args) \
+        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" $(init_args adapter) \
         $(eval_args) ${TRAIN_ARGS:-} \
         --export "$STAGE/export/adapter" \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
