@@ -132,8 +132,8 @@ prompts() {  # the prompts directory: carried as pieces (`carry-prompts` here), 
   if [ -d "$STAGE/prompts" ]; then echo "$STAGE/prompts"; else echo .stage/prompts; fi
 }
 
-latest_step() {  # the newest orbax step directory of a run
-  ls "$1" | grep -E '^[0-9]+$' | sort -n | tail -1
+latest_step() {  # the newest orbax step directory of a run (fails, saying so, when there is none)
+  ls "$1" 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -1 | grep . || { echo "no checkpoint in $1" >&2; return 1; }
 }
 
 complete() {  # a finished train-data directory
@@ -168,12 +168,10 @@ while [ $# -gt 0 ]; do
     unpack) unpack; shift ;;
     send) shift ;;  # send runs at the end of every call
     save-run)  # save-run KIND: runs/KIND with its latest checkpoint only (resume it in a later session)
-      run=runs/$2; step=$(latest_step "$STAGE/$run")
-      [ -n "$step" ] || { echo "no checkpoint in $STAGE/$run"; exit 1; }
+      run=runs/$2; step=$(latest_step "$STAGE/$run") || exit 1
       pack "run-$2" "$run/$step" $(cd "$STAGE" && ls -d "$run"/*.json* 2>/dev/null); shift 2 ;;
     save-params)  # save-params KIND: the latest step's parameters (float32) + the run's log, for INIT=export/KIND-f32
-      run=runs/$2; step=$(latest_step "$STAGE/$run")
-      [ -n "$step" ] || { echo "no checkpoint in $STAGE/$run"; exit 1; }
+      run=runs/$2; step=$(latest_step "$STAGE/$run") || exit 1
       rm -rf "$STAGE/export/$2-f32"
       $W train-export "$2" "$STAGE/$run" "$STAGE/export/$2-f32" --step "$step" --export-dtype float32 || exit 1
       echo "$step" > "$STAGE/export/$2-f32.step"  # the step a warm start continues from (INIT_STEP)

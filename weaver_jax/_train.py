@@ -190,10 +190,10 @@ def adapter_loss(adapter, target, drafter, batch: dict, key: jax.Array, *, ancho
     loss = _weighted_mean(ce, in_pool * _decay(k, gamma))
     count = jnp.maximum(jnp.sum(in_pool), 1)
     hit = (jnp.argmax(scores, -1) == target_idx) & in_pool
-    metrics = {"acc": jnp.sum(hit) / count,
-               "acc_drafter": jnp.sum((target_idx == 0) & in_pool) / count,
+    drafter_hit = (target_idx == 0) & in_pool  # the pool is ranked by the drafter: its top-1 is index 0
+    metrics = {"acc": jnp.sum(hit) / count, "acc_drafter": jnp.sum(drafter_hit) / count,
                "in_pool": jnp.sum(in_pool) / jnp.maximum(jnp.sum(valid), 1),
-               "tau_chain": _chain_tau(hit, ok), "tau_chain_drafter": _chain_tau((target_idx == 0) & in_pool, ok)}
+               "tau_chain": _chain_tau(hit, ok), "tau_chain_drafter": _chain_tau(drafter_hit, ok)}
     if distill:
         teacher = _teacher_log_probs(target, final_hidden, anchor_pos, k)  # [B, A, K, V]
         pool_teacher = jax.nn.log_softmax(jnp.take_along_axis(teacher, pool_ids, -1), -1)
@@ -277,20 +277,22 @@ def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, 
     manager = ocp.CheckpointManager(checkpoint_dir, options=ocp.CheckpointManagerOptions(
         max_to_keep=2, keep_period=config.keep_every or None, create=True))
     warm_start = checkpoint_dir / "warm_start.json"
-    start = manager.latest_step() or 0
-    if start and start_step:
-        print(f"{desc}: resuming {checkpoint_dir} at its step {start}; the warm start applies to a new run only",
-              file=sys.stderr)
-    elif not start:
+    resumed = manager.latest_step()
+    if resumed:  # the schedule's offset is the run's own, whatever start_step says now
+        offset = json.loads(warm_start.read_text())["start_step"] if warm_start.exists() else 0
+        if start_step:
+            print(f"{desc}: resuming {checkpoint_dir} at its step {resumed}; the warm start applies to a new run "
+                  "only", file=sys.stderr)
+    else:
+        offset = start_step
         warm_start.unlink(missing_ok=True)
         if start_step:
             warm_start.write_text(json.dumps({"start_step": start_step}))
-        start = start_step
+    start = resumed or start_step
     graphdef, params = nnx.split(module, nnx.Param)
-    offset = json.loads(warm_start.read_text())["start_step"] if warm_start.exists() else 0
     state = {"params": params, "opt_state": _optimizer(config, offset).init(params)}
-    if manager.latest_step():
-        state = manager.restore(start, args=ocp.args.StandardRestore(state))
+    if resumed:
+        state = manager.restore(resumed, args=ocp.args.StandardRestore(state))
     log_path = checkpoint_dir / "log.jsonl"
     kept = [line for line in (log_path.read_text().splitlines() if log_path.exists() else [])
             if json.loads(line)["step"] <= start]
