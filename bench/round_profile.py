@@ -11,7 +11,8 @@ Rows per stage: GPU busy microseconds and kernels per round (a round of "ar" is 
 configuration the wall time per round: wall minus the busy sum is the time the GPU waited on the host.
 `--random-target` replaces the GGUF target by random weights of that shape (speed does not depend on
 weight values with EOS off) beside the shipped SmolLM2 drafter and adapter (`--drafter-layers N`: a random
-drafter of N layers instead, to price a deeper one).
+drafter of N layers instead, to price a deeper one; `--adapter-shape '{"d_rank": 384, "num_heads": 6}'`:
+a random adapter with these fields of its config changed, to price a wider one).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kernel_times import gpu_events  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
 from weaver_jax import _generate, _load  # noqa: E402
+from weaver_jax._adapter import Adapter  # noqa: E402
 from weaver_jax._drafter import Drafter  # noqa: E402
 from weaver_jax.pallas_kernels import kernel_scope  # noqa: E402
 
@@ -99,7 +101,10 @@ def bundle_for(args) -> wj.Bundle:
     drafter = part("drafter")
     if args.drafter_layers:  # a random drafter of another depth, to price it before training one
         drafter = Drafter(dataclasses.replace(drafter.config, num_layers=args.drafter_layers), rngs=nnx.Rngs(0))
-    return wj.Bundle(target, drafter=drafter, adapter=part("adapter"))
+    adapter = part("adapter")
+    if args.adapter_shape:  # a random adapter of another shape, to price it before training one
+        adapter = Adapter(dataclasses.replace(adapter.config, **args.adapter_shape), rngs=nnx.Rngs(0))
+    return wj.Bundle(target, drafter=drafter, adapter=adapter)
 
 
 def main():
@@ -111,6 +116,8 @@ def main():
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
     parser.add_argument("--drafter-layers", type=int, default=0,
                         help="with --random-target: a random drafter of this many layers (the shipped one's shape)")
+    parser.add_argument("--adapter-shape", type=json.loads, default={},
+                        help='with --random-target: a random adapter, these AdapterConfig fields changed')
     parser.add_argument("--config", nargs="+", default=["ar", "dflash", "ddtree:budget=64", "weaver:budget=64"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-length", type=int, default=128)
