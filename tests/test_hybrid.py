@@ -189,7 +189,7 @@ def test_hybrid_sampling_is_seed_identical_and_has_the_autoregressive_distributi
     prompt, n = [1, 3, 0], 16_000
     exact = exact_three_token_distribution(small.target, prompt, temperature=1.0)
     out = weaver_jax.generate(small, [prompt] * n, method="dflash", max_new_tokens=3, eos_token_id=[],
-                              seed=list(range(n)), temperature=1.0)
+                              seed=list(range(n)), temperature=1.0, pad_to=len(prompt))
     assert_three_token_distribution(out.tokens, exact)
 
 
