@@ -27,7 +27,8 @@
 #                                                 # curve adapter: Weaver-64 with the exported drafter)
 #   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures (~70 s per
 #                                                 # method and budget: a call finishes ~7; rerun to continue;
-#                                                 # TAU_BUDGETS="64" to take those budgets first)
+#                                                 # TAU_BUDGETS="64" to take those budgets first;
+#                                                 # TAU_SEED=tau.json: continue one carried back)
 #   bash bench/gpu_train.sh e2e "1 8" 0 "ar dflash weaver:budget=64"   # bench/e2e.py: tokens/s vs ar through
 #                                                 # generate, 48 held-out prompts (carry .stage/eval/eval_prompts.json;
 #                                                 # E2E_ARGS: more e2e.py options, E2E_LABEL: a suffix for its JSON)
@@ -216,8 +217,9 @@ while [ $# -gt 0 ]; do
       shift 3 ;;
     tau)  # tau TEMPERATURE...: no autotuning (compile time dominates; tau does not depend on kernel choice)
       need_gguf
-      # resume from the committed results (configurations already there are skipped)
-      [ -f "$STAGE/tau.json" ] || cp "${TAU_SEED:-bench/results/2026-11-30_smollm2_tau_h200.json}" "$STAGE/tau.json"
+      # TAU_SEED=FILE (a tau.json carried back): continue it (its configurations of the same drafter and
+      # adapter paths are skipped)
+      [ -f "$STAGE/tau.json" ] || [ -z "${TAU_SEED:-}" ] || cp "$TAU_SEED" "$STAGE/tau.json"
       # stop before the call's limit so the results reach $OUT; finished configurations are kept
       XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $((560 - SECONDS))s \
         python3 bench/tau.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" --temperatures $2 \

@@ -7,7 +7,8 @@ The bundle is `weaver_jax.load(--model)` (for the named model: the shipped draft
 eval_prompts.json: MT-Bench first turns, HumanEval, held-out AlpacaEval) goes through the chat
 template into one batch; each method and budget is one `generate` call at each temperature, and τ
 per set is pooled from the per-prompt counts. Configurations compile concurrently (threads) and
-results are appended to --json as they finish, so a rerun skips what is there.
+results are appended to --json as they finish, so a rerun skips what is there for the same --drafter
+and --adapter (each row names them).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def encode_sets(bundle, path: Path, limit: int):
 
 def run_tau(bundle, names, prompts, args, out_path: Path):
     rows = json.loads(out_path.read_text()) if out_path.exists() else []
-    done = {(r["temperature"], r["method"], r["budget"]) for r in rows}
+    pair = dict(drafter=args.drafter or "shipped", adapter=args.adapter or "shipped")  # rows of other pairs stay
+    done = {(r["temperature"], r["method"], r["budget"]) for r in rows
+            if (r.get("drafter"), r.get("adapter")) == (pair["drafter"], pair["adapter"])}
     todo = [(t, m, b) for t in args.temperatures for m, b in configurations(args.budgets, args.methods)
             if (t, m, b) not in done]
 
@@ -61,7 +64,7 @@ def run_tau(bundle, names, prompts, args, out_path: Path):
             acc = np.array(stats["sequence_accepted_tokens"])
             for name in [*dict.fromkeys(names), "all"]:
                 sel = np.ones(len(names), bool) if name == "all" else names == name
-                rows.append(dict(set=name, temperature=temperature, method=method, budget=budget,
+                rows.append(dict(**pair, set=name, temperature=temperature, method=method, budget=budget,
                                  tau=float(acc[sel].sum() / max(ver[sel].sum(), 1)), prompts=int(sel.sum()),
                                  verifications=int(ver[sel].sum()), compile_seconds=stats["compile_seconds"],
                                  device=jax.devices()[0].device_kind, max_new_tokens=args.max_new_tokens))
