@@ -22,9 +22,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m weaver_jax.demo
 
+# --reruns: a test whose worker crashed (a segfault inside XLA) runs once more; failures are never rerun
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --durations=15 -m "not gpu"
+	$(PY) -m pytest -q -n 2 --durations=15 -m "not gpu" --reruns 1 --only-rerun "crashed while running"
 
 test-gpu:  # on a machine with a GPU and jax[cuda] (the device tool: `make test-gpu` there); logs in $$OUT
 	bash tests/gpu.sh
