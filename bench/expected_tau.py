@@ -68,6 +68,8 @@ def parse_config(text: str) -> tuple[str, dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--drafter", help="a drafter checkpoint instead of the model's shipped one")
+    parser.add_argument("--adapter", help="an adapter checkpoint instead of the model's shipped one")
     parser.add_argument("--prompts", type=Path, default=Path(".stage/prompts/prompts.json"))
     parser.add_argument("--per-set", type=int, default=16, help="prompts drawn from each set of prompts.json")
     parser.add_argument("--cuts", type=int, default=2, help="contexts cut from each continuation")
@@ -77,7 +79,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    bundle = wj.load(args.model)
+    bundle = wj.load(args.model, drafter=args.drafter, adapter=args.adapter)
     rng = np.random.default_rng(args.seed)
     texts = []
     for items in json.loads(args.prompts.read_text()).values():
@@ -96,7 +98,8 @@ def main():
         fn, static, call = _generate._prepare(bundle, contexts, method, bundle.drafter.config.block_size + 1, 0.0, 0,
                                               1.0, args.seed, [], options, round_only=True)
         greedy, expected = (np.asarray(x, np.float64) for x in round_scores(*call, **static))
-        row = dict(config=text, contexts=len(contexts), greedy_tau=greedy.mean(),
+        row = dict(config=text, drafter=args.drafter or "shipped", adapter=args.adapter or "shipped",
+                   contexts=len(contexts), greedy_tau=greedy.mean(),
                    greedy_tau_se=greedy.std() / np.sqrt(len(greedy)), expected_tau_t1=expected.mean(),
                    expected_tau_t1_se=expected.std() / np.sqrt(len(expected)), seconds=time.time() - t0,
                    device=jax.devices()[0].device_kind)
