@@ -36,10 +36,10 @@ from weaver_jax import _generate, _speculative  # noqa: E402
 @functools.partial(jax.jit, static_argnames=_speculative._STATIC)
 def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_lengths, keys, adapter_params=None, *,
                  graphdef, drafter_graphdef, adapter_graphdef=None, method, options=(), max_new_tokens,
-                 sampling=_speculative._GREEDY, eos_ids=(), kernels=()):
+                 sampling=_speculative._GREEDY, eos_ids=(), kernels=(), exact=False):
     """`spec_first_round`'s arguments -> (greedy τ `[B]`, expected τ at temperature 1 `[B]`)."""
     p = _speculative._parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef,
-                            method, options)
+                            method, options, exact)
     s = _speculative._prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
                               max_new_tokens)
     tree, ancestors, verify = _speculative._propose_and_verify(p, s)
