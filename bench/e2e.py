@@ -30,7 +30,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tau import bundle_arguments, encode_sets, load_bundle  # noqa: E402
+from tau import bundle_arguments, encode_sets, load_bundle, parse_options  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
 from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
@@ -40,10 +40,9 @@ def parse_config(text: str) -> tuple[str, dict, tuple[str, ...] | None]:
     """`method:option=value,...@kernels` -> (method, options, kernels: None for the default selection)."""
     text, _, kernels = text.partition("@")
     method, _, rest = text.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        name, _, value = item.partition("=")
-        options[name] = bool(int(value)) if name == "exact" else int(value)
+    options = parse_options(rest)
+    if "exact" in options:
+        options["exact"] = bool(options["exact"])
     selection = {"": None, "all": KERNELS, "xla": ()}
     if kernels not in selection:
         raise ValueError(f"unknown kernel selection @{kernels} (use @all or @xla)")

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tau import parse_options  # noqa: E402
+
 import weaver_jax as wj  # noqa: E402
 from weaver_jax import _generate, _speculative  # noqa: E402
 
@@ -58,11 +60,7 @@ def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_l
 
 def parse_config(text: str) -> tuple[str, dict]:
     method, _, rest = text.partition(":")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        name, _, value = item.partition("=")
-        options[name] = int(value)
-    return method, options
+    return method, parse_options(rest)
 
 
 def main():

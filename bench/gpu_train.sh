@@ -28,7 +28,8 @@
 #   bash bench/gpu_train.sh tau "0 1"             # tau on the held-out sets at these temperatures (~70 s per
 #                                                 # method and budget: a call finishes ~7; rerun to continue;
 #                                                 # TAU_BUDGETS="64" to take those budgets first;
-#                                                 # TAU_SEED=tau.json: continue one carried back)
+#                                                 # TAU_SEED=tau.json: continue one carried back; TAU_ARGS:
+#                                                 # more tau.py options, e.g. "--weaver-options expansions_per_call=8")
 #   bash bench/gpu_train.sh e2e "1 8" 0 "ar dflash weaver:budget=64"   # bench/e2e.py: tokens/s vs ar through
 #                                                 # generate, 48 held-out prompts (carry .stage/eval/eval_prompts.json;
 #                                                 # E2E_ARGS: more e2e.py options, E2E_LABEL: a suffix for its JSON)
@@ -223,7 +224,7 @@ while [ $# -gt 0 ]; do
       # stop before the call's limit so the results reach $OUT; finished configurations are kept
       XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $((560 - SECONDS))s \
         python3 bench/tau.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" --temperatures $2 \
-        --budgets ${TAU_BUDGETS:-16 32 64 128} \
+        --budgets ${TAU_BUDGETS:-16 32 64 128} ${TAU_ARGS:-} \
         --eval-prompts "$(prompts)/eval_prompts.json" --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -8
       cp "$STAGE/tau.json" "$OUT/tau.json"  # carry it back as .stage/tau.json to resume on a fresh machine
       shift 2 ;;

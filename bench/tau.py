@@ -45,14 +45,15 @@ def encode_sets(bundle, path: Path, limit: int):
 def run_tau(bundle, names, prompts, args, out_path: Path):
     rows = json.loads(out_path.read_text()) if out_path.exists() else []
     pair = dict(drafter=args.drafter or "shipped", adapter=args.adapter or "shipped")  # rows of other pairs stay
-    done = {(r["temperature"], r["method"], r["budget"]) for r in rows
+    weaver_options = parse_options(args.weaver_options)
+    done = {(r["temperature"], r["method"], r["budget"], r.get("options", "")) for r in rows
             if (r.get("drafter"), r.get("adapter")) == (pair["drafter"], pair["adapter"])}
     todo = [(t, m, b) for t in args.temperatures for m, b in configurations(args.budgets, args.methods)
-            if (t, m, b) not in done]
+            if (t, m, b, args.weaver_options if m == "weaver" else "") not in done]
 
     def one(config):
         temperature, method, budget = config
-        options = {} if budget is None else {"budget": budget}
+        options = ({} if budget is None else {"budget": budget}) | (weaver_options if method == "weaver" else {})
         result = wj.generate(bundle, prompts, method=method, max_new_tokens=args.max_new_tokens,
                              temperature=temperature, seed=args.seed, **options)
         return config, result.stats
@@ -65,12 +66,24 @@ def run_tau(bundle, names, prompts, args, out_path: Path):
             for name in [*dict.fromkeys(names), "all"]:
                 sel = np.ones(len(names), bool) if name == "all" else names == name
                 rows.append(dict(**pair, set=name, temperature=temperature, method=method, budget=budget,
+                                 options=args.weaver_options if method == "weaver" else "",
                                  tau=float(acc[sel].sum() / max(ver[sel].sum(), 1)), prompts=int(sel.sum()),
                                  verifications=int(ver[sel].sum()), compile_seconds=stats["compile_seconds"],
                                  device=jax.devices()[0].device_kind, max_new_tokens=args.max_new_tokens))
             print(json.dumps([r for r in rows[-4:]]), flush=True)
             out_path.write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def parse_options(text: str) -> dict:
+    """"expansions_per_call=8,children_per_node=16" -> {"expansions_per_call": 8, "children_per_node": 16}."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            raise SystemExit(f"options: expected name=integer pairs separated by commas, got {item!r}")
+        options[name.strip()] = int(value)
+    return options
 
 
 def bundle_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +109,8 @@ def main():
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--methods", nargs="+", choices=["dflash", "ddtree", "weaver"],
                         default=["dflash", "ddtree", "weaver"], help="e.g. dflash ddtree for a drafter alone")
+    parser.add_argument("--weaver-options", default="",
+                        help="more options for weaver, e.g. expansions_per_call=8 (rows name them)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--limit", type=int, default=0, help="first N prompts of each set (smoke tests)")
     parser.add_argument("--workers", type=int, default=4, help="configurations compiled at once")
