@@ -46,10 +46,14 @@ def run_tau(bundle, names, prompts, args, out_path: Path):
     rows = json.loads(out_path.read_text()) if out_path.exists() else []
     pair = dict(drafter=args.drafter or "shipped", adapter=args.adapter or "shipped")  # rows of other pairs stay
     weaver_options = parse_options(args.weaver_options)
+
+    def options_label(method):  # what a row's "options" says, and part of what a rerun skips
+        return ",".join(f"{k}={v}" for k, v in weaver_options.items()) if method == "weaver" else ""
+
     done = {(r["temperature"], r["method"], r["budget"], r.get("options", "")) for r in rows
             if (r.get("drafter"), r.get("adapter")) == (pair["drafter"], pair["adapter"])}
     todo = [(t, m, b) for t in args.temperatures for m, b in configurations(args.budgets, args.methods)
-            if (t, m, b, args.weaver_options if m == "weaver" else "") not in done]
+            if (t, m, b, options_label(m)) not in done]
 
     def one(config):
         temperature, method, budget = config
@@ -66,7 +70,7 @@ def run_tau(bundle, names, prompts, args, out_path: Path):
             for name in [*dict.fromkeys(names), "all"]:
                 sel = np.ones(len(names), bool) if name == "all" else names == name
                 rows.append(dict(**pair, set=name, temperature=temperature, method=method, budget=budget,
-                                 options=args.weaver_options if method == "weaver" else "",
+                                 options=options_label(method),
                                  tau=float(acc[sel].sum() / max(ver[sel].sum(), 1)), prompts=int(sel.sum()),
                                  verifications=int(ver[sel].sum()), compile_seconds=stats["compile_seconds"],
                                  device=jax.devices()[0].device_kind, max_new_tokens=args.max_new_tokens))
