@@ -31,7 +31,7 @@
 #                                                 # TAU_SEED=tau.json: continue one carried back; TAU_ARGS:
 #                                                 # more tau.py options, e.g. "--weaver-options expansions_per_call=8")
 #   bash bench/gpu_train.sh e2e "1 8" 0 "ar dflash weaver:budget=64"   # bench/e2e.py: tokens/s vs ar through
-#                                                 # generate, 48 held-out prompts (carry .stage/eval/eval_prompts.json;
+#                                                 # generate, 48 held-out prompts (the staged prompts, or carry .stage/prompts;
 #                                                 # E2E_ARGS: more e2e.py options, E2E_LABEL: a suffix for its JSON)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
 #   bash bench/gpu_train.sh agreement "dflash weaver"                  # bench/agreement.py: same tokens as ar,
@@ -244,13 +244,13 @@ while [ $# -gt 0 ]; do
     e2e)  # e2e BATCHES TEMPERATURES CONFIGS
       need_gguf
       timeout $((570 - SECONDS)) python3 bench/e2e.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
-        --eval-prompts .stage/eval/eval_prompts.json --batch $2 --temperatures $3 --config $4 ${E2E_ARGS:-} \
+        --eval-prompts "$(prompts)/eval_prompts.json" --batch $2 --temperatures $3 --config $4 ${E2E_ARGS:-} \
         --json "$OUT/e2e_$(echo "$2_$3" | tr ' .' '-p')${E2E_LABEL:-}.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 4 ;;
     agreement)  # agreement CONFIGS: bench/agreement.py, default mode and exact, differences explained
       need_gguf
       timeout $((570 - SECONDS)) python3 bench/agreement.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
-        --eval-prompts .stage/eval/eval_prompts.json --per-set ${AGREE_PER_SET:-8} --config $2 \
+        --eval-prompts "$(prompts)/eval_prompts.json" --per-set ${AGREE_PER_SET:-8} --config $2 \
         --json "$OUT/agreement.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 2 ;;
     profile)  # profile BATCH CONFIGS
