@@ -265,7 +265,7 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
 
     method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
     `budget`, default 64) or "weaver" (options `budget` (24), `children_per_node` (8),
-    `expansions_per_call` (ceil(budget / 3)), `pool_size` (64, at most the adapter's)); every speculative
+    `expansions_per_call` (min(8, ceil(budget / 3))), `pool_size` (64, at most the adapter's)); every speculative
     method takes `depth` (the deepest tree level): they emit exactly what "ar" would, greedy or
     sampled with the same seed (up to rounding differences between a tree's and a step's logits,
     which can flip a near-tie; with `exact=True` none: the target's numbers for a token do not depend

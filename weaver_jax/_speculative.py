@@ -69,8 +69,10 @@ def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int
         children = options.pop("children_per_node", min(8, pool))
         if not isinstance(children, int) or not 1 <= children <= pool:
             raise ValueError(f"children_per_node must be an integer in [1, pool_size={pool}], got {children!r}")
-        # about three adapter calls after the root's: fewer, wider calls measured faster on an H200
-        expansions = options.pop("expansions_per_call", -(-budget // 3))
+        # about three adapter calls after the root's (fewer, wider calls measured faster on an H200), but
+        # at most 8 nodes a call: a tree is at most as deep as its calls, and on the H200 8 per call at
+        # budget 64 was both faster and +21% τ against 22 (BENCHMARKS, issue 19)
+        expansions = options.pop("expansions_per_call", min(8, -(-budget // 3)))
         if not isinstance(expansions, int) or not 1 <= expansions <= budget:
             raise ValueError(f"expansions_per_call must be an integer in [1, budget={budget}], got {expansions!r}")
         branching = children
