@@ -21,7 +21,8 @@
 #   bash bench/gpu_train.sh drafter STEPS MINUTES
 #   bash bench/gpu_train.sh adapter STEPS MINUTES
 #   KEEP_EVERY=500 DISTILL=0.5 MAX_SEQUENCES=4000 bash bench/gpu_train.sh drafter ...   # keep curve points;
-#                                                 # mix in the target's KL; a data subset (τ against data size);
+#                                                 # mix in the target's KL; a data subset (τ against data size:
+#                                                 # with RUN=4k, a side run in runs/drafter-4k, not exported);
 #                                                 # DRAFTER_LAYERS=4; TRAIN_ARGS: more train-* options (--lr ...)
 #   bash bench/gpu_train.sh curve drafter "500 1000" 0   # τ of the drafter at kept steps (chain, DDTree-64;
 #                                                 # curve adapter: Weaver-64 with the exported drafter)
@@ -158,6 +159,24 @@ init_args() {  # init_args KIND: INIT=path under the stage, a KIND checkpoint: a
   echo --init "$STAGE/$INIT" --init-step "${INIT_STEP:-$(cat "$STAGE/$INIT.step" 2>/dev/null || echo 0)}"
 }
 
+run_name() {  # KIND, or with RUN=NAME KIND-NAME: a side run (the τ-against-data-size points: MAX_SEQUENCES)
+  # that neither exports nor replaces export/KIND, which tau, e2e and the adapter's training read
+  echo "$1${RUN:+-$RUN}"
+}
+
+drafter_now() {  # this session's exported drafter, once a drafter stage (maybe earlier in this call) made it
+  if [ -d "$STAGE/export/drafter" ]; then echo "$STAGE/export/drafter"; else echo "$SHIPPED/drafter"; fi
+}
+
+export_args() { [ -n "${RUN:-}" ] || echo --export "$STAGE/export/$1"; }
+
+finish_run() {  # finish_run KIND: the log back through $OUT (KIND-RUN_log.jsonl for a side run), the export packed
+  local name; name=$(run_name "$1")
+  tail -n 3 "$STAGE/runs/$name/log.jsonl"
+  cp "$STAGE/runs/$name/log.jsonl" "$OUT/${name}_log.jsonl"
+  [ -z "${RUN:-}" ] && [ -d "$STAGE/export/$1" ] && pack "$1" "export/$1"
+}
+
 while [ $# -gt 0 ]; do
   case "$1" in
     carry-gguf)  # here, not on the GPU: the package's GGUF as pieces in .stage/carry (then carry 3 a call)
@@ -196,25 +215,21 @@ while [ $# -gt 0 ]; do
       shift ;;
     drafter)
       need_gguf; need_init
-      $W train-drafter "$STAGE/data" "$STAGE/runs/drafter" --model "$GGUF" --steps "$2" --max-minutes "$(minutes_left "$3")" \
-        --batch-size 32 --anchors 32 --save-every 500 --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" \
-        --max-sequences "${MAX_SEQUENCES:-0}" --layers "${DRAFTER_LAYERS:-2}" $(init_args drafter) $(eval_args) ${TRAIN_ARGS:-} \
-        --export "$STAGE/export/drafter" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
-      tail -n 3 "$STAGE/runs/drafter/log.jsonl"
-      cp "$STAGE/runs/drafter/log.jsonl" "$OUT/drafter_log.jsonl"
-      [ -d "$STAGE/export/drafter" ] && pack drafter export/drafter
+      $W train-drafter "$STAGE/data" "$STAGE/runs/$(run_name drafter)" --model "$GGUF" --steps "$2" \
+        --max-minutes "$(minutes_left "$3")" --batch-size 32 --anchors 32 --save-every 500 \
+        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" \
+        --layers "${DRAFTER_LAYERS:-2}" $(init_args drafter) $(eval_args) ${TRAIN_ARGS:-} $(export_args drafter) \
+        2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+      finish_run drafter
       shift 3 ;;
     adapter)
       need_gguf; need_init
-      $W train-adapter "$STAGE/data" "$STAGE/runs/adapter" --model "$GGUF" --drafter "$STAGE/export/drafter" \
+      $W train-adapter "$STAGE/data" "$STAGE/runs/$(run_name adapter)" --model "$GGUF" --drafter "$(drafter_now)" \
         --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 \
-        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" $(init_args adapter) \
-        $(eval_args) ${TRAIN_ARGS:-} \
-        --export "$STAGE/export/adapter" \
+        --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" \
+        $(init_args adapter) $(eval_args) ${TRAIN_ARGS:-} $(export_args adapter) \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
-      tail -n 3 "$STAGE/runs/adapter/log.jsonl"
-      cp "$STAGE/runs/adapter/log.jsonl" "$OUT/adapter_log.jsonl"
-      [ -d "$STAGE/export/adapter" ] && pack adapter export/adapter
+      finish_run adapter
       shift 3 ;;
     tau)  # tau TEMPERATURE...: no autotuning (compile time dominates; tau does not depend on kernel choice)
       need_gguf
@@ -255,7 +270,7 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     profile)  # profile BATCH CONFIGS
       need_gguf
-      timeout $((570 - SECONDS)) python3 bench/round_profile.py --model "$GGUF" --drafter "$DRAFTER" \
+      timeout $((570 - SECONDS)) python3 bench/round_profile.py --model "$GGUF" --drafter "$(drafter_now)" \
         --adapter "$ADAPTER" --batch "$2" --config $3 --json "$OUT/round_profile_b$2.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 3 ;;
     probe)  # training step times at the SmolLM2 shape (random weights), to size the runs
