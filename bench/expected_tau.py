@@ -6,7 +6,8 @@ options on CPU before spending GPU time on full τ runs (bench/tau.py).
 
 Contexts: prompts from `weaver-jax train-prompts`'s prompts.json (the *training* mix, never the
 evaluation sets, so option choices are not tuned on them), each continued by the target at
-temperature 1 and cut at random points. For each context and configuration one round is drafted,
+temperature 1 (or greedily: `--continuation-temperature 0`, what greedy decoding meets) and cut at
+random points. For each context and configuration one round is drafted,
 built and verified, and scored two ways:
 - greedy τ: the tokens the temperature-0 walk accepts plus the bonus (what `generate` would emit);
 - expected τ at temperature 1: 1 + the sum over nodes of the target's probability of the node's
@@ -72,6 +73,9 @@ def main():
     parser.add_argument("--per-set", type=int, default=16, help="prompts drawn from each set of prompts.json")
     parser.add_argument("--cuts", type=int, default=2, help="contexts cut from each continuation")
     parser.add_argument("--continuation", type=int, default=64)
+    parser.add_argument("--continuation-temperature", type=float, default=1.0,
+                        help="0: contexts cut from the target's greedy answers, where greedy τ is a decode's own "
+                        "(long confident stretches: depth counts more than on sampled text)")
     parser.add_argument("--max-prompt", type=int, default=200)
     parser.add_argument("--config", action="append", required=True, help="method:option=value,... (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,7 +90,8 @@ def main():
             texts += [items[i]["text"] if isinstance(items[i], dict) else items[i] for i in picks]
     prompts = [bundle.tokenizer.apply_chat_template([{"role": "user", "content": t}])[: args.max_prompt]
                for t in texts]
-    out = wj.generate(bundle, prompts, max_new_tokens=args.continuation, temperature=1.0, seed=args.seed + 1)
+    out = wj.generate(bundle, prompts, max_new_tokens=args.continuation, temperature=args.continuation_temperature,
+                      seed=args.seed + 1)
     contexts = [list(p) + list(o[:c]) for p, o in zip(prompts, out.tokens, strict=True)
                 for c in rng.integers(0, max(1, len(o) - 1), args.cuts)]
     rows = []
@@ -97,7 +102,8 @@ def main():
                                               1.0, args.seed, [], options, round_only=True)
         greedy, expected = (np.asarray(x, np.float64) for x in round_scores(*call, **static))
         row = dict(config=text, drafter=args.drafter or "shipped", adapter=args.adapter or "shipped",
-                   contexts=len(contexts), greedy_tau=greedy.mean(),
+                   contexts=len(contexts), continuation=args.continuation,
+                   continuation_temperature=args.continuation_temperature, greedy_tau=greedy.mean(),
                    greedy_tau_se=greedy.std() / np.sqrt(len(greedy)), expected_tau_t1=expected.mean(),
                    expected_tau_t1_se=expected.std() / np.sqrt(len(expected)), seconds=time.time() - t0,
                    device=jax.devices()[0].device_kind)
