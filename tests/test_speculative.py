@@ -43,10 +43,14 @@ def test_greedy_equals_autoregressive(seed, tie, method, options):
             assert sum(hist) > 0 and hist[0] == 0
 
 
-@pytest.mark.parametrize("method,options", [("dflash", {"depth": 2}), ("weaver", {"budget": 6, "depth": 3})])
+@pytest.mark.parametrize("method,options", [
+    ("dflash", {"depth": 2}), ("weaver", {"budget": 6, "depth": 3}),
+    # one adapter call makes depth 1; the marginal tail's 3 nodes reach depth 4
+    ("weaver", {"budget": 5, "depth": 4, "expansions_per_call": 5, "marginal_tail": 3})])
 def test_shallow_trees_are_lossless(method, options):
     """`depth` caps the tree (the drafter projects only that many positions): still plain decoding's
-    tokens, and no round accepts more than depth + 1 tokens even with a perfect drafter."""
+    tokens, and no round accepts more than depth + 1 tokens even with a perfect drafter, which fills
+    the tree to that depth."""
     rb = random_bundle(2, block_size=6)
     bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=6), adapter=rb.adapter)
     prompts = [[5, 6, 7], [9, 1, 2, 3, 4]]
@@ -211,6 +215,8 @@ def test_speculative_bad_input():
         weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, pool_size=16, children_per_node=17)
     with pytest.raises(ValueError, match=r"pool_size must be an integer in \[1, 128\]"):
         weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, pool_size=1000)
+    with pytest.raises(ValueError, match=r"marginal_tail must be an integer in \[0, budget=4\)"):
+        weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, budget=4, marginal_tail=4)
     with pytest.raises(TypeError, match=r"unknown options \['width'\]"):
         weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, width=3)
     other = random_bundle(7, hidden_size=32, num_layers=1)

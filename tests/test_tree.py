@@ -79,6 +79,28 @@ def test_chain_is_the_argmax_path():
     assert np.array_equal(np.asarray(tree.parent)[0], np.arange(-1, 5))
 
 
+def test_extend_deepest_chains_the_argmax_below_the_first_deepest_node():
+    """The tail hangs below the first node of the greatest depth, follows the marginals' argmax one
+    level per node, and is padding past the drafter's depth."""
+    from weaver_jax._tree import batched_best_first, extend_deepest, marginal_children
+
+    logits = jax.random.normal(jax.random.key(2), (2, 5, 30))
+    tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, 3), None, budget=4, children=3,
+                                 expansions=2, max_depth=5)
+    out = extend_deepest(tree, logits, 4)
+    check_valid_tree(out, 5)
+    assert all(np.array_equal(np.asarray(a)[:, :5], np.asarray(b)) for a, b in zip(out, tree, strict=True))
+    depth, valid, argmax = np.asarray(tree.depth), np.asarray(tree.valid), np.argmax(logits, -1)
+    for b in range(2):
+        leaf = int(np.flatnonzero(depth[b] == depth[b][valid[b]].max())[0])
+        d = depth[b, leaf] + np.arange(1, 5)
+        assert np.asarray(out.parent)[b, 5:].tolist() == [leaf, 5, 6, 7]
+        assert np.array_equal(np.asarray(out.depth)[b, 5:], d)
+        assert np.array_equal(np.asarray(out.valid)[b, 5:], d <= 5)
+        kept = d <= 5
+        assert np.array_equal(np.asarray(out.tokens)[b, 5:][kept], argmax[b, d[kept] - 1])
+
+
 def test_ancestor_matrix():
     parent = jnp.array([[-1, 0, 0, 1, 3, 2, 0]])
     valid = jnp.array([[True, True, True, True, True, True, False]])

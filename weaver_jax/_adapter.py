@@ -28,7 +28,7 @@ from flax import nnx
 
 from weaver_jax._config import ModelConfig
 from weaver_jax._model import Block, KVCache, SlotVisibility, _param, rms_norm, rope_frequencies, run_blocks
-from weaver_jax._tree import Tree, batched_best_first, chunked_top_k
+from weaver_jax._tree import Tree, batched_best_first, chunked_top_k, extend_deepest
 from weaver_jax.pallas_kernels import kernels_enabled
 
 
@@ -204,16 +204,19 @@ def random_adapter_config(target: ModelConfig, *, depth: int, d_rank: int = 32, 
 
 
 def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: jax.Array, drafter_states: jax.Array,
-                marginal_logits: jax.Array, *, budget: int, children: int, expansions: int, pool_size: int) -> Tree:
-    """The Weaver proposal tree: batched best-first over the adapter's path-conditioned scores.
-    root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]` (the prefix: the adapter's K),
-    marginal_logits `[B, depth, V]` (depth <= K: the tree's deepest level). With the
+                marginal_logits: jax.Array, *, budget: int, children: int, expansions: int, pool_size: int,
+                marginal_tail: int = 0) -> Tree:
+    """The Weaver proposal tree: batched best-first over the adapter's path-conditioned scores for
+    `budget - marginal_tail` nodes, then `marginal_tail` nodes continuing the deepest along the
+    drafter's argmax (`extend_deepest`). root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]`
+    (the prefix: the adapter's K), marginal_logits `[B, depth, V]` (depth <= K: the tree's deepest level). With the
     "weaver_search" kernels on and an adapter they fit, the search runs in them (two launches per
     adapter call instead of ~50 XLA kernels); the same tree up to rounding."""
     from weaver_jax.pallas_kernels import interpret, weaver_search
 
     b, depth, _ = marginal_logits.shape
     prefix_len = drafter_states.shape[1] + 1
+    budget -= marginal_tail  # the searched nodes
     fused = kernels_enabled("weaver_search") and weaver_search.fits(adapter.config)
     with jax.named_scope("pool"):
         pool_logits, pool_ids = chunked_top_k(marginal_logits.astype(jnp.float32), pool_size)
@@ -221,11 +224,12 @@ def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: j
         size = weaver_search.cache_size(prefix_len, budget, expansions) if fused else prefix_len + 1 + budget
         cache = adapter.prefix(root_state, drafter_states, KVCache.init(adapter.config.block_config, b, size))
     if fused:
-        return weaver_search.weaver_search(adapter, tables, cache, root, pool_ids, pool_logits, budget=budget,
+        tree = weaver_search.weaver_search(adapter, tables, cache, root, pool_ids, pool_logits, budget=budget,
                                            children=children, expansions=expansions, max_depth=depth,
                                            prefix_len=prefix_len, interpret=interpret())
-    state = WeaverState(cache, jnp.zeros((b, budget + 1, budget + 1), bool))
-    score = adapter_children(adapter, tables, pool_ids, pool_logits, children, prefix_len)
-    tree, _ = batched_best_first(root, score, state, budget=budget, children=children, expansions=expansions,
-                                 max_depth=depth)
-    return tree
+    else:
+        state = WeaverState(cache, jnp.zeros((b, budget + 1, budget + 1), bool))
+        score = adapter_children(adapter, tables, pool_ids, pool_logits, children, prefix_len)
+        tree, _ = batched_best_first(root, score, state, budget=budget, children=children, expansions=expansions,
+                                     max_depth=depth)
+    return extend_deepest(tree, marginal_logits, marginal_tail) if marginal_tail else tree

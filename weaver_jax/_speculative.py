@@ -75,8 +75,12 @@ def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int
         expansions = options.pop("expansions_per_call", min(8, -(-budget // 3)))
         if not isinstance(expansions, int) or not 1 <= expansions <= budget:
             raise ValueError(f"expansions_per_call must be an integer in [1, budget={budget}], got {expansions!r}")
+        tail = options.pop("marginal_tail", 0)
+        if not isinstance(tail, int) or not 0 <= tail < budget:
+            raise ValueError(f"marginal_tail must be an integer in [0, budget={budget}) (at least one node is "
+                             f"searched), got {tail!r}")
         branching = children
-        extra = dict(pool_size=pool, children=children, expansions=expansions, prefix=deepest)
+        extra = dict(pool_size=pool, children=children, expansions=expansions, prefix=deepest, tail=tail)
     if options:
         raise TypeError(f"method {method!r} got unknown options {sorted(options)}")
     prefixes = sum(min(branching**d, MAX_BUDGET + 1) for d in range(1, depth + 1))
@@ -294,7 +298,8 @@ def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, jax.Array, Forwa
         if p.method == "weaver":  # the adapter's prefix: the drafter states of all the depths it was made for
             tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, : p.opts["prefix"]], marginals,
                                budget=p.opts["budget"], children=p.opts["children"],
-                               expansions=p.opts["expansions"], pool_size=p.opts["pool_size"])
+                               expansions=p.opts["expansions"], pool_size=p.opts["pool_size"],
+                               marginal_tail=p.opts["tail"])
         else:
             tree = build_tree(p.method, s.root, marginals, p.opts)
         ancestors = tree.ancestors(p.depth)

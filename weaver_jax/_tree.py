@@ -77,6 +77,23 @@ def chain(root: jax.Array, marginal_logits: jax.Array) -> Tree:
     return Tree(tokens, parent, depth, jnp.ones((b, k + 1), bool))
 
 
+def extend_deepest(tree: Tree, marginal_logits: jax.Array, count: int) -> Tree:
+    """`count` more nodes: a chain below the tree's deepest node (the first made among the deepest)
+    along the marginals' argmax, as DFlash's chain continues - depth at no scorer call. Weaver's
+    trees are at most as deep as its adapter calls, while on greedy text the drafter stays right for
+    long confident stretches. marginal_logits `[B, K, V]` (marginal t proposes depth t + 1); chain
+    nodes past depth K are invalid. -> a tree of N + count nodes."""
+    b, k, _ = marginal_logits.shape
+    leaf = jnp.argmax(jnp.where(tree.valid, tree.depth, -1), axis=1)  # [B]
+    depth = jnp.take_along_axis(tree.depth, leaf[:, None], axis=1) + jnp.arange(1, count + 1)  # [B, count]
+    tokens = jnp.take_along_axis(jnp.argmax(marginal_logits, -1).astype(jnp.int32), jnp.clip(depth - 1, 0, k - 1),
+                                 axis=1)
+    parent = jnp.concatenate([leaf[:, None], jnp.broadcast_to(tree.size + jnp.arange(count - 1), (b, count - 1))],
+                             axis=1).astype(jnp.int32)
+    return Tree(jnp.concatenate([tree.tokens, tokens], 1), jnp.concatenate([tree.parent, parent], 1),
+                jnp.concatenate([tree.depth, depth], 1), jnp.concatenate([tree.valid, depth <= k], 1))
+
+
 def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
     """DDTree: the exact top-`budget` prefixes by product of marginals, best first.
 
