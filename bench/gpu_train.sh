@@ -32,8 +32,9 @@
 #                                                 # TAU_SEED=tau.json: continue one carried back; TAU_ARGS:
 #                                                 # more tau.py options, e.g. "--weaver-options expansions_per_call=8")
 #   bash bench/gpu_train.sh e2e "1 8" 0 "ar dflash weaver:budget=64"   # bench/e2e.py: tokens/s vs ar through
-#                                                 # generate, 48 held-out prompts (the staged prompts, or carry .stage/prompts;
-#                                                 # E2E_ARGS: more e2e.py options, E2E_LABEL: a suffix for its JSON)
+#                                                 # generate, 48 held-out prompts (the staged prompts, or
+#                                                 # carry .stage/prompts; E2E_ARGS: more e2e.py options,
+#                                                 # E2E_LABEL: a suffix for its JSON)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
 #   bash bench/gpu_train.sh agreement "dflash weaver"                  # bench/agreement.py: same tokens as ar,
 #                                                 # default mode and exact=1, differences explained (AGREE_PER_SET)
@@ -57,10 +58,11 @@ export PYTHONPATH=/tmp/site:$PWD
 for sub in convert pallas_kernels; do [ -e weaver_jax/$sub ] || ln -s ../$sub weaver_jax/$sub; done
 export JAX_COMPILATION_CACHE_DIR=$STAGE/jax_cache  # a resumed stage in a later call skips recompiling
 W="python3 -m weaver_jax.cli"
-# tau, e2e and profile use this session's exports when they exist, else the shipped drafter and adapter
 SHIPPED=weaver_jax/weights/smollm2-135m-instruct
-DRAFTER=$STAGE/export/drafter; [ -d "$DRAFTER" ] || DRAFTER=$SHIPPED/drafter
-ADAPTER=$STAGE/export/adapter; [ -d "$ADAPTER" ] || ADAPTER=$SHIPPED/adapter
+model_dir() {  # model_dir drafter|adapter: this session's export once a stage (maybe earlier in this call)
+  # made it, else the shipped one - what tau, e2e, profile and the adapter's training use
+  if [ -d "$STAGE/export/$1" ]; then echo "$STAGE/export/$1"; else echo "$SHIPPED/$1"; fi
+}
 minutes_left() {  # what remains of a 10-minute call, less a margin for export and packing
   python3 -c "print(max(0.5, min($1, (555 - $SECONDS) / 60 - 0.6)))"
 }
@@ -164,10 +166,6 @@ run_name() {  # KIND, or with RUN=NAME KIND-NAME: a side run (the τ-against-dat
   echo "$1${RUN:+-$RUN}"
 }
 
-drafter_now() {  # this session's exported drafter, once a drafter stage (maybe earlier in this call) made it
-  if [ -d "$STAGE/export/drafter" ]; then echo "$STAGE/export/drafter"; else echo "$SHIPPED/drafter"; fi
-}
-
 export_args() { [ -n "${RUN:-}" ] || echo --export "$STAGE/export/$1"; }
 
 finish_run() {  # finish_run KIND: the log back through $OUT (KIND-RUN_log.jsonl for a side run), the export packed
@@ -224,8 +222,9 @@ while [ $# -gt 0 ]; do
       shift 3 ;;
     adapter)
       need_gguf; need_init
-      $W train-adapter "$STAGE/data" "$STAGE/runs/$(run_name adapter)" --model "$GGUF" --drafter "$(drafter_now)" \
-        --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 --anchors 32 --save-every 500 \
+      $W train-adapter "$STAGE/data" "$STAGE/runs/$(run_name adapter)" --model "$GGUF" \
+        --drafter "$(model_dir drafter)" --steps "$2" --max-minutes "$(minutes_left "$3")" --batch-size 16 \
+        --anchors 32 --save-every 500 \
         --keep-every "${KEEP_EVERY:-0}" --distill "${DISTILL:-0}" --max-sequences "${MAX_SEQUENCES:-0}" \
         $(init_args adapter) $(eval_args) ${TRAIN_ARGS:-} $(export_args adapter) \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
@@ -238,8 +237,8 @@ while [ $# -gt 0 ]; do
       [ -f "$STAGE/tau.json" ] || [ -z "${TAU_SEED:-}" ] || cp "$TAU_SEED" "$STAGE/tau.json"
       # stop before the call's limit so the results reach $OUT; finished configurations are kept
       XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $((560 - SECONDS))s \
-        python3 bench/tau.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" --temperatures $2 \
-        --budgets ${TAU_BUDGETS:-16 32 64 128} ${TAU_ARGS:-} \
+        python3 bench/tau.py --model "$GGUF" --drafter "$(model_dir drafter)" --adapter "$(model_dir adapter)" \
+        --temperatures $2 --budgets ${TAU_BUDGETS:-16 32 64 128} ${TAU_ARGS:-} \
         --eval-prompts "$(prompts)/eval_prompts.json" --json "$STAGE/tau.json" 2>&1 | grep -v "^\[" | tail -8
       cp "$STAGE/tau.json" "$OUT/tau.json"  # carry it back as .stage/tau.json to resume on a fresh machine
       shift 2 ;;
@@ -248,8 +247,9 @@ while [ $# -gt 0 ]; do
       for step in $3; do
         point=$STAGE/curve/$2-$step
         [ -d "$point" ] || $W train-export "$2" "$STAGE/runs/$2" "$point" --step "$step" || exit 1
-        if [ "$2" = drafter ]; then models=(--drafter "$point" --adapter "$ADAPTER" --methods dflash ddtree)
-        else models=(--drafter "$DRAFTER" --adapter "$point" --methods weaver); fi
+        if [ "$2" = drafter ]; then
+          models=(--drafter "$point" --adapter "$(model_dir adapter)" --methods dflash ddtree)
+        else models=(--drafter "$(model_dir drafter)" --adapter "$point" --methods weaver); fi
         XLA_FLAGS="--xla_gpu_autotune_level=0" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout $((560 - SECONDS))s \
           python3 bench/tau.py --model "$GGUF" "${models[@]}" --temperatures $4 --budgets ${TAU_BUDGETS:-64} \
           --eval-prompts "$(prompts)/eval_prompts.json" --json "$STAGE/curve_$2_$step.json" 2>&1 | grep -v "^\[" | tail -4
@@ -258,20 +258,20 @@ while [ $# -gt 0 ]; do
       shift 4 ;;
     e2e)  # e2e BATCHES TEMPERATURES CONFIGS
       need_gguf
-      timeout $((570 - SECONDS)) python3 bench/e2e.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
-        --eval-prompts "$(prompts)/eval_prompts.json" --batch $2 --temperatures $3 --config $4 ${E2E_ARGS:-} \
+      timeout $((570 - SECONDS)) python3 bench/e2e.py --model "$GGUF" --drafter "$(model_dir drafter)" \
+        --adapter "$(model_dir adapter)" --eval-prompts "$(prompts)/eval_prompts.json" --batch $2 --temperatures $3 --config $4 ${E2E_ARGS:-} \
         --json "$OUT/e2e_$(echo "$2_$3" | tr ' .' '-p')${E2E_LABEL:-}.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 4 ;;
     agreement)  # agreement CONFIGS: bench/agreement.py, default mode and exact, differences explained
       need_gguf
-      timeout $((570 - SECONDS)) python3 bench/agreement.py --model "$GGUF" --drafter "$DRAFTER" --adapter "$ADAPTER" \
-        --eval-prompts "$(prompts)/eval_prompts.json" --per-set ${AGREE_PER_SET:-8} --config $2 \
+      timeout $((570 - SECONDS)) python3 bench/agreement.py --model "$GGUF" --drafter "$(model_dir drafter)" \
+        --adapter "$(model_dir adapter)" --eval-prompts "$(prompts)/eval_prompts.json" --per-set ${AGREE_PER_SET:-8} --config $2 \
         --json "$OUT/agreement.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 2 ;;
     profile)  # profile BATCH CONFIGS
       need_gguf
-      timeout $((570 - SECONDS)) python3 bench/round_profile.py --model "$GGUF" --drafter "$(drafter_now)" \
-        --adapter "$ADAPTER" --batch "$2" --config $3 --json "$OUT/round_profile_b$2.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
+      timeout $((570 - SECONDS)) python3 bench/round_profile.py --model "$GGUF" --drafter "$(model_dir drafter)" \
+        --adapter "$(model_dir adapter)" --batch "$2" --config $3 --json "$OUT/round_profile_b$2.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 3 ;;
     probe)  # training step times at the SmolLM2 shape (random weights), to size the runs
       python3 bench/train_probe.py --steps 12 --drafter-batches 32 --adapter-batches 16 --json "$OUT/train_probe.json" \
