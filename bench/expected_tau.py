@@ -7,8 +7,8 @@ options on CPU before spending GPU time on full τ runs (bench/tau.py).
 Contexts: prompts from `weaver-jax train-prompts`'s prompts.json (the *training* mix, never the
 evaluation sets, so option choices are not tuned on them), each continued by the target at
 temperature 1 (or greedily: `--continuation-temperature 0`, what greedy decoding meets) and cut at
-random points. For each context and configuration one round is drafted,
-built and verified, and scored two ways:
+random points. For each context and configuration one round is drafted, built and verified, and
+scored two ways:
 - greedy τ: the tokens the temperature-0 walk accepts plus the bonus (what `generate` would emit);
 - expected τ at temperature 1: 1 + the sum over nodes of the target's probability of the node's
   path - the mean number of tokens target-only sampling accepts from this tree, plus the bonus.

@@ -208,28 +208,29 @@ def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: j
                 marginal_tail: int = 0) -> Tree:
     """The Weaver proposal tree: batched best-first over the adapter's path-conditioned scores for
     `budget - marginal_tail` nodes, then `marginal_tail` nodes continuing the deepest along the
-    drafter's argmax (`extend_deepest`). root `[B]`, root_state `[B, D]`, drafter_states `[B, K, D]`
-    (the prefix: the adapter's K), marginal_logits `[B, depth, V]` (depth <= K: the tree's deepest level). With the
-    "weaver_search" kernels on and an adapter they fit, the search runs in them (two launches per
-    adapter call instead of ~50 XLA kernels); the same tree up to rounding."""
+    drafter's argmax (`extend_deepest`). root `[B]`, root_state `[B, D]`, drafter_states
+    `[B, K, D]` (the prefix: the adapter's K), marginal_logits `[B, depth, V]` (depth <= K: the
+    tree's deepest level). With the "weaver_search" kernels on and an adapter they fit, the search
+    runs in them (two launches per adapter call instead of ~50 XLA kernels); the same tree up to
+    rounding."""
     from weaver_jax.pallas_kernels import interpret, weaver_search
 
     b, depth, _ = marginal_logits.shape
     prefix_len = drafter_states.shape[1] + 1
-    budget -= marginal_tail  # the searched nodes
+    searched = budget - marginal_tail
     fused = kernels_enabled("weaver_search") and weaver_search.fits(adapter.config)
     with jax.named_scope("pool"):
         pool_logits, pool_ids = chunked_top_k(marginal_logits.astype(jnp.float32), pool_size)
     with jax.named_scope("prefix"):
-        size = weaver_search.cache_size(prefix_len, budget, expansions) if fused else prefix_len + 1 + budget
+        size = weaver_search.cache_size(prefix_len, searched, expansions) if fused else prefix_len + 1 + searched
         cache = adapter.prefix(root_state, drafter_states, KVCache.init(adapter.config.block_config, b, size))
     if fused:
-        tree = weaver_search.weaver_search(adapter, tables, cache, root, pool_ids, pool_logits, budget=budget,
+        tree = weaver_search.weaver_search(adapter, tables, cache, root, pool_ids, pool_logits, budget=searched,
                                            children=children, expansions=expansions, max_depth=depth,
                                            prefix_len=prefix_len, interpret=interpret())
     else:
-        state = WeaverState(cache, jnp.zeros((b, budget + 1, budget + 1), bool))
+        state = WeaverState(cache, jnp.zeros((b, searched + 1, searched + 1), bool))
         score = adapter_children(adapter, tables, pool_ids, pool_logits, children, prefix_len)
-        tree, _ = batched_best_first(root, score, state, budget=budget, children=children, expansions=expansions,
-                                     max_depth=depth)
+        tree, _ = batched_best_first(root, score, state, budget=searched, children=children,
+                                     expansions=expansions, max_depth=depth)
     return extend_deepest(tree, marginal_logits, marginal_tail) if marginal_tail else tree
