@@ -10,6 +10,7 @@
 #   bash bench/gpu_train.sh data                  # carry .stage/prompts (or its pieces: carry-prompts here):
 #                                                 # the target's own responses
 #                                                 # (SAMPLED_COPIES=2: two temperature-1 answers per prompt)
+#                                                 # (DATA_LIMIT=N: N prompts of each kind, spread evenly)
 #   bash bench/gpu_train.sh eval-data             # the target's greedy answers to the held-out prompts: the
 #                                                 # drafter / adapter stages then log eval_tau_chain etc. at
 #                                                 # every checkpoint (a τ curve without decoding)
@@ -39,11 +40,14 @@
 #   bash bench/gpu_train.sh agreement "dflash weaver"                  # bench/agreement.py: same tokens as ar,
 #                                                 # default mode and exact=1, differences explained (AGREE_PER_SET)
 #
-# Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6`. Chain
-# them in one invocation: the stages' time limits count from the script's start ($SECONDS), so a
-# second invocation in the same call would think it has the whole 10 minutes.
+# Several stages can be chained in one call: `bash bench/gpu_train.sh stage data drafter 3000 6` (or several
+# invocations after `export CALL_START=$(date +%s)`, below).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# The stages' time limits count from the call's start: `export CALL_START=$(date +%s)` before several
+# invocations in one call (e.g. tau with different TAU_ARGS) and they share the call's 10 minutes.
+export CALL_START=${CALL_START:-$(date +%s)}
+SECONDS=$(($(date +%s) - CALL_START))
 STAGE=${WEAVER_STAGE:-$HOME/weaver_stage}
 OUT=${OUT:-$STAGE/out}
 GGUF=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -198,7 +202,7 @@ while [ $# -gt 0 ]; do
     data)  # resumable: parts done stay (while warm); packed for carrying once complete
       need_gguf
       timeout $((560 - SECONDS)) $W train-data "$(prompts)/prompts.json" "$STAGE/data" --model "$GGUF" --batch 512 \
-        --sampled-copies "${SAMPLED_COPIES:-1}" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+        --sampled-copies "${SAMPLED_COPIES:-1}" --limit "${DATA_LIMIT:-0}" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       if complete "$STAGE/data"; then
         pack data data
       else echo "data: $(ls "$STAGE/data" | grep -c '^part-') parts so far; run 'data' again to continue"; fi

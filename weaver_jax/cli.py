@@ -88,8 +88,8 @@ def _train_data(args) -> int:
         raise ValueError("--held-out answers greedily only: drop --sampled-copies")
     if held_out:  # every set's prompts as chat messages, answered greedily (what tau.py decodes)
         prompts = {"chat": [item["text"] for items in prompts.values() for item in items]}
-    if args.limit:
-        prompts = {k: v[: args.limit] for k, v in prompts.items()}
+    if args.limit:  # spread over each list: the lists are ordered by topic and source
+        prompts = {k: v[:: max(1, len(v) // args.limit)][: args.limit] for k, v in prompts.items()}
     bundle = weaver_jax.load(args.model, dtype=args.dtype)
     out = generate_dataset(bundle, prompts, args.out, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens,
                            max_new_tokens=args.max_new_tokens, seed=args.seed,
@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--sampled-copies", type=int, default=None, help="temperature-1 responses per prompt, besides "
                    "the greedy one (default 1)")
-    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each kind (smoke tests)")
+    p.add_argument("--limit", type=int, default=0, help="use only N prompts of each kind, spread evenly over "
+                   "its list (smoke tests, the τ-against-data-size runs)")
     p.add_argument("--held-out", action="store_true", help="PROMPTS is train-prompts' eval_prompts.json: greedy "
                    "answers only, for train-drafter / train-adapter --eval-data")
     p.add_argument("--seed", type=int, default=0)
