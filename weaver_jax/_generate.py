@@ -266,9 +266,10 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
     `budget`, default 64) or "weaver" (options `budget` (24), `children_per_node` (8),
     `expansions_per_call` (min(8, ceil(budget / 3))), `pool_size` (64, at most the adapter's),
-    `marginal_tail` (0: nodes of the budget that continue the deepest node along the drafter's
-    argmax)); every speculative method takes `depth` (the deepest tree level): they emit exactly
-    what "ar" would, greedy or sampled with the same seed (up to rounding differences between a
+    `marginal_tail` (min(8, budget // 6): nodes of the budget that continue the deepest node along
+    the drafter's argmax, at no adapter call; 0: none)); every speculative method takes `depth` (the
+    deepest tree level): they emit exactly what "ar" would, greedy or sampled with the same seed (up
+    to rounding differences between a
     tree's and a step's logits, which can flip a near-tie; with `exact=True` none: the target's
     numbers for a token do not depend on how many tokens it is computed with, so every method's
     output is bitwise `ar`'s with `exact=True`, in any dtype, at some cost in speed (BENCHMARKS.md)).
