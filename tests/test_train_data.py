@@ -12,7 +12,7 @@ import pytest
 
 import weaver_jax
 from weaver_jax import _prompts, testing
-from weaver_jax._train_data import generate_dataset, load_dataset, subset
+from weaver_jax._train_data import generate_dataset, load_dataset, spread, subset
 
 
 def _fake_distributions(directory, alpaca, mt_bench, humaneval):
@@ -146,3 +146,12 @@ def test_subset_draws_sequences_across_sources():
     assert not (subset(data, 12, seed=4)["lengths"] == part["lengths"]).all()
     with pytest.raises(ValueError, match="a subset of 41 sequences: the data holds 40"):
         subset(data, 41)
+
+
+def test_spread_reaches_the_end_of_each_list():
+    """`train-data --limit`: evenly spaced over the whole list (a stride cut to N stopped at 84% of a
+    35,520-prompt list), all of a shorter one."""
+    assert spread(list(range(10)), 3) == [0, 3, 6]
+    picked = spread(list(range(35520)), 6000)
+    assert len(picked) == len(set(picked)) == 6000 and picked[-1] >= 35520 - 6
+    assert spread(list(range(5)), 8) == list(range(5))

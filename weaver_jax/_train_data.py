@@ -149,6 +149,13 @@ def complete_parts(directory: str | Path) -> list[Path]:
     return paths
 
 
+def spread(items: list, count: int) -> list:
+    """`count` items evenly spaced over the whole list (all of it when it is shorter): prompt lists
+    are ordered by topic and source, so a prefix would be a few topics."""
+    n = len(items)
+    return [items[i * n // count] for i in range(count)] if count < n else list(items)
+
+
 def subset(data: dict[str, np.ndarray], count: int, seed: int = 0) -> dict[str, np.ndarray]:
     """`count` sequences drawn without replacement by `seed` (their order kept), for τ against data
     size: the parts are written by source, so a prefix would be one kind of prompt."""

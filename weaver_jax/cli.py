@@ -77,7 +77,7 @@ def _train_prompts(args) -> int:
 
 
 def _train_data(args) -> int:
-    from weaver_jax._train_data import generate_dataset
+    from weaver_jax._train_data import generate_dataset, spread
 
     prompts = json.loads(Path(args.prompts).read_text())
     held_out = any(isinstance(item, dict) for items in prompts.values() for item in items)  # {"text": ...} items
@@ -88,8 +88,8 @@ def _train_data(args) -> int:
         raise ValueError("--held-out answers greedily only: drop --sampled-copies")
     if held_out:  # every set's prompts as chat messages, answered greedily (what tau.py decodes)
         prompts = {"chat": [item["text"] for items in prompts.values() for item in items]}
-    if args.limit:  # spread over each list: the lists are ordered by topic and source
-        prompts = {k: v[:: max(1, len(v) // args.limit)][: args.limit] for k, v in prompts.items()}
+    if args.limit:
+        prompts = {k: spread(v, args.limit) for k, v in prompts.items()}
     bundle = weaver_jax.load(args.model, dtype=args.dtype)
     out = generate_dataset(bundle, prompts, args.out, batch=args.batch, max_prompt_tokens=args.max_prompt_tokens,
                            max_new_tokens=args.max_new_tokens, seed=args.seed,
