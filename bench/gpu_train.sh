@@ -202,7 +202,8 @@ while [ $# -gt 0 ]; do
     data)  # resumable: parts done stay (while warm); packed for carrying once complete
       need_gguf
       timeout $((560 - SECONDS)) $W train-data "$(prompts)/prompts.json" "$STAGE/data" --model "$GGUF" --batch 512 \
-        --sampled-copies "${SAMPLED_COPIES:-1}" --limit "${DATA_LIMIT:-0}" 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
+        --sampled-copies "${SAMPLED_COPIES:-1}" --limit "${DATA_LIMIT:-0}" \
+        2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       if complete "$STAGE/data"; then
         pack data data
       else echo "data: $(ls "$STAGE/data" | grep -c '^part-') parts so far; run 'data' again to continue"; fi
@@ -263,13 +264,15 @@ while [ $# -gt 0 ]; do
     e2e)  # e2e BATCHES TEMPERATURES CONFIGS
       need_gguf
       timeout $((570 - SECONDS)) python3 bench/e2e.py --model "$GGUF" --drafter "$(model_dir drafter)" \
-        --adapter "$(model_dir adapter)" --eval-prompts "$(prompts)/eval_prompts.json" --batch $2 --temperatures $3 --config $4 ${E2E_ARGS:-} \
+        --adapter "$(model_dir adapter)" --eval-prompts "$(prompts)/eval_prompts.json" --batch $2 \
+        --temperatures $3 --config $4 ${E2E_ARGS:-} \
         --json "$OUT/e2e_$(echo "$2_$3" | tr ' .' '-p')${E2E_LABEL:-}.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 4 ;;
     agreement)  # agreement CONFIGS: bench/agreement.py, default mode and exact, differences explained
       need_gguf
       timeout $((570 - SECONDS)) python3 bench/agreement.py --model "$GGUF" --drafter "$(model_dir drafter)" \
-        --adapter "$(model_dir adapter)" --eval-prompts "$(prompts)/eval_prompts.json" --per-set ${AGREE_PER_SET:-8} --config $2 \
+        --adapter "$(model_dir adapter)" --eval-prompts "$(prompts)/eval_prompts.json" \
+        --per-set ${AGREE_PER_SET:-8} --config $2 \
         --json "$OUT/agreement.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 2 ;;
     profile)  # profile BATCH CONFIGS

@@ -269,10 +269,10 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     `marginal_tail` (min(8, budget // 6): nodes of the budget that continue the deepest node along
     the drafter's argmax, at no adapter call; 0: none)); every speculative method takes `depth` (the
     deepest tree level): they emit exactly what "ar" would, greedy or sampled with the same seed (up
-    to rounding differences between a
-    tree's and a step's logits, which can flip a near-tie; with `exact=True` none: the target's
-    numbers for a token do not depend on how many tokens it is computed with, so every method's
-    output is bitwise `ar`'s with `exact=True`, in any dtype, at some cost in speed (BENCHMARKS.md)).
+    to rounding differences between a tree's and a step's logits, which can flip a near-tie; with
+    `exact=True` none: the target's numbers for a token do not depend on how many tokens it is
+    computed with, so every method's output is bitwise `ar`'s with `exact=True`, in any dtype, at
+    some cost in speed (BENCHMARKS.md)).
     eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
     uses `fold_in(key(seed), i)`) or one seed per prompt. pad_to: the padded prompt length (default:
     the longest prompt rounded up to 32); calls with the same batch size, pad_to and options share
