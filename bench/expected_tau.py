@@ -11,7 +11,8 @@ random points. For each context and configuration one round is drafted, built an
 scored two ways:
 - greedy τ: the tokens the temperature-0 walk accepts plus the bonus (what `generate` would emit);
 - expected τ at temperature 1: 1 + the sum over nodes of the target's probability of the node's
-  path - the mean number of tokens target-only sampling accepts from this tree, plus the bonus.
+  path - the mean number of tokens target-only sampling accepts from this tree, plus the bonus;
+  also by depth (`expected_tau_t1_by_depth`: where a tree's expected tokens come from).
 Both are per round and pooled as means with standard errors; the contexts are the same for every
 configuration, so differences between configurations are paired.
 """
