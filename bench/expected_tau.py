@@ -41,8 +41,8 @@ from weaver_jax import _generate, _speculative  # noqa: E402
 def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_lengths, keys, adapter_params=None, *,
                  graphdef, drafter_graphdef, adapter_graphdef=None, method, options=(), max_new_tokens,
                  sampling=_speculative._GREEDY, eos_ids=(), kernels=(), exact=False):
-    """`spec_first_round`'s arguments -> (greedy τ `[B]`, expected τ at temperature 1 `[B]`, its nodes' share
-    by depth `[B, K + 1]`: the root's 1 first)."""
+    """`spec_first_round`'s arguments -> (greedy τ `[B]`, expected τ at temperature 1 by depth `[B, K + 1]`:
+    the summed path probability of each depth's nodes, the root's 1 first; its sum is the expected τ)."""
     p = _speculative._parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef,
                             method, options, exact)
     s = _speculative._prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
@@ -58,9 +58,9 @@ def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_l
         return r.at[:, i].set(r[rows, parent[:, i]] * own[:, i])
 
     path_probability = jax.lax.fori_loop(1, tree.size, reach, jnp.ones(own.shape).at[:, 1:].set(0.0))
-    by_depth = jnp.zeros((own.shape[0], p.depth + 1)).at[rows[:, None], tree.depth].add(
-        jnp.where(tree.valid, path_probability, 0.0))
-    return greedy.length, path_probability.sum(1), by_depth  # the root's 1 stands for the bonus
+    # invalid nodes have probability 0 (`own`), so they add nothing to their depth-0 slot
+    by_depth = jnp.zeros((own.shape[0], p.depth + 1)).at[rows[:, None], tree.depth].add(path_probability)
+    return greedy.length, by_depth  # the root's 1 stands for the bonus
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -104,7 +104,8 @@ def main():
         t0 = time.time()
         fn, static, call = _generate._prepare(bundle, contexts, method, bundle.drafter.config.block_size + 1, 0.0, 0,
                                               1.0, args.seed, [], options, round_only=True)
-        greedy, expected, by_depth = (np.asarray(x, np.float64) for x in round_scores(*call, **static))
+        greedy, by_depth = (np.asarray(x, np.float64) for x in round_scores(*call, **static))
+        expected = by_depth.sum(1)
         row = dict(config=text, drafter=args.drafter or "shipped", adapter=args.adapter or "shipped",
                    contexts=len(contexts), continuation=args.continuation,
                    continuation_temperature=args.continuation_temperature, greedy_tau=greedy.mean(),
