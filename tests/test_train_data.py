@@ -46,6 +46,9 @@ def test_evaluation_prompts_never_reach_training(tmp_path):
     assert "What is the shared question?" not in mix["chat"]  # alpaca repeats an MT-Bench question
     assert not evaluation & {t for texts in mix.values() for t in texts}
     assert len(mix["code"]) == 5 and len(mix["meta"]) == len(_prompts.TOPICS) * len(_prompts.REQUEST_KINDS)
+    more = _prompts.training_prompts(tmp_path, code_prompts=8, samples_per_request=1, exclude=(mix,))
+    assert len(more["code"]) == 3 and not set(more["code"]) & set(mix["code"]) and more["chat"] == []
+    assert more["meta"] == mix["meta"]  # instructions: the prompts written from them are sampled afresh
 
 
 def test_missing_distribution_is_named(tmp_path):

@@ -158,10 +158,12 @@ def meta_prompts(samples_per_request: int) -> list[str]:
 
 
 def training_prompts(directory: Path, *, code_prompts: int, samples_per_request: int, seed: int = 0,
-                     code_roots: tuple[Path, ...] = ()) -> dict:
+                     code_roots: tuple[Path, ...] = (), exclude: tuple[dict, ...] = ()) -> dict:
     """The training mix before the target's own prompts exist: {"chat": [...], "code": [...],
     "meta": [...]}; checked to share no text with any evaluation set. Code prompts come from the
-    standard library, then from `code_roots` in turn, until `code_prompts` are found."""
+    standard library, then from `code_roots` in turn, until `code_prompts` are found. `exclude`:
+    earlier mixes whose chat and code prompts are left out (a second data set of new prompts only;
+    the meta-instructions stay, as the target's prompts written from them are sampled afresh)."""
     train_alpaca, _ = alpaca_split(directory)
     evaluation = {item["text"].strip() for items in evaluation_sets(directory).values() for item in items}
     # AlpacaEval repeats a few MT-Bench questions: those stay out of training.
@@ -174,6 +176,9 @@ def training_prompts(directory: Path, *, code_prompts: int, samples_per_request:
         seen = set(code)
         code += [p for p in stdlib_code_prompts(code_prompts - len(code), seed, root) if p not in seen]
     out = {"chat": train_alpaca, "code": code, "meta": meta_prompts(samples_per_request)}
+    for kind in ("chat", "code"):
+        seen = {t for earlier in exclude for t in earlier.get(kind, [])}
+        out[kind] = [t for t in out[kind] if t not in seen]
     leaked = [t for texts in out.values() for t in texts if t.strip() in evaluation]
     if leaked:
         raise ValueError(f"{len(leaked)} training prompts are evaluation prompts, e.g. {leaked[0][:80]!r}")

@@ -62,8 +62,9 @@ def _train_prompts(args) -> int:
         _prompts.fetch_distributions(packages)
     mix = _prompts.training_prompts(packages, code_prompts=args.code_prompts,
                                     samples_per_request=args.samples_per_request, seed=args.seed,
-                                    code_roots=tuple(Path(r) for r in args.code_root))
-    if len(mix["code"]) < args.code_prompts:
+                                    code_roots=tuple(Path(r) for r in args.code_root),
+                                    exclude=tuple(json.loads(Path(e).read_text()) for e in args.exclude))
+    if len(mix["code"]) < args.code_prompts and not args.exclude:
         print(f"note: the code sources hold {len(mix['code'])} prompts, fewer than --code-prompts "
               f"{args.code_prompts} (add sources with --code-root DIR)")
     evaluation = _prompts.evaluation_sets(packages)
@@ -282,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="more Python sources for code prompts after the standard library (e.g. a site-packages "
                         "folder); repeatable")
     p.add_argument("--samples-per-request", type=int, default=8, help="self-written prompts per topic and kind")
+    p.add_argument("--exclude", action="append", default=[], metavar="PROMPTS_JSON",
+                   help="an earlier prompts.json whose chat and code prompts are left out (a set of new prompts "
+                        "for more data; train-data --seed then samples the written prompts afresh); repeatable")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("train-data", help="the target's own responses to the prompt mix (resumable)")
