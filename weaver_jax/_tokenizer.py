@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 # GGUF token types (llama.cpp): 3 = control, 4 = user defined. Both are matched whole in text.
@@ -67,6 +68,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render the model's own chat template (Jinja, as transformers does) and encode it."""
+        special = lambda i: self.tokens[i] if i is not None else ""  # noqa: E731
+        text = self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                     bos_token=special(self.bos_token_id), eos_token=special(self.eos_token_id))
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _template(self):
+        """The chat template compiled once: compiling it took ~3 ms, most of a prompt's encoding (data
+        generation encodes ~10^5 prompts)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         import jinja2.sandbox
@@ -76,8 +86,4 @@ class Tokenizer:
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        special = lambda i: self.tokens[i] if i is not None else ""  # noqa: E731
-        text = env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=special(self.bos_token_id), eos_token=special(self.eos_token_id))
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return env.from_string(self.chat_template)
