@@ -83,14 +83,13 @@ def main():
                     jnp.minimum(jnp.arange(65), 1)[None].repeat(b, 0), jnp.ones((b, 65), bool))
 
         def node_step(c, ws, w=w, tree=tree):
-            score = adapter_children(nnx.merge(agraphdef, ws[0]), ws[1], pool_ids, nudge(pool_logits, c),
-                                     children, k + 1)
+            score = adapter_children(nnx.merge(agraphdef, ws[0]), ws[1], pool_ids, nudge(pool_logits, c), k + 1)
             state = WeaverState(ws[2], jnp.zeros((b, 65, 65), bool))
-            return score(state, tree, jnp.broadcast_to(1 + jnp.arange(w), (b, w)))[0][:, 0, 0]
+            return score(state, tree, jnp.broadcast_to(1 + jnp.arange(w), (b, w)), children)[0][:, 0, 0]
         report(stage="node_step", expansions=w, ms=loop(node_step, (aparams, tables, cache)))
 
         def marginal_search(c, m, w=w):
-            score = marginal_children(nudge(m, c), children)
+            score = marginal_children(nudge(m, c))
             tree, _ = batched_best_first(c, score, None, budget=64, children=children, expansions=w, max_depth=k)
             return tree.tokens[:, -1]
         report(stage="marginal_search", budget=64, expansions=w, ms=loop(marginal_search, marginals))

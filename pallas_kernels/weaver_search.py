@@ -25,8 +25,9 @@ build the same tree (up to rounding at near ties: activations stay float32 here 
 Layouts (padded to powers of two; padding is never selected, and lanes without a node write
 distinct padding entries): tree `[B, 4, N_p]` int32 rows tokens, parent, depth, valid; node scores
 `[B, N_p]`; ancestors `[B, N_p, N_p]` int8 (a node and its ancestors); frontier scores and tokens
-`[B, F_p]`, node i owning slots `[i * C_p, i * C_p + c)` (C_p: c rounded up to a power of two; the
-rest stay -inf, and slot order is still node then rank, as `lax.top_k` breaks ties); count `[B]`.
+`[B, F_p]`, the root owning slots `[0, R_p)` (its `root_children`) and node i >= 1 slots
+`[R_p + (i - 1) * C_p, ... + c)` (R_p, C_p: the root's and a node's children rounded up to a power of
+two; the rest stay -inf, and slot order is still node then rank, as `lax.top_k` breaks ties); count `[B]`.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _dot(a, b, trans_b: bool = False):
     return plgpu.dot(a, b.astype(a.dtype), trans_b=trans_b)
 
 
-def _select(values_ref, tokens_ref, tree_ref, count, w: int, c_p: int, n: int, lane):
+def _select(values_ref, tokens_ref, tree_ref, count, w: int, c_p: int, r_p: int, n: int, lane):
     """The frontier's best w entries, best first (the lowest slot among equal scores):
     -> (score, slot, node, ok, parent, token, depth), each `[W_p]`."""
     values = values_ref[...]
@@ -104,15 +105,15 @@ def _select(values_ref, tokens_ref, tree_ref, count, w: int, c_p: int, n: int, l
     node = count + lane
     ok = (score > -jnp.inf) & (node < n) & (lane < w)
     slot = jnp.where(ok, slot, f_p - lane.shape[0] + lane)
-    parent = jnp.where(ok, slot // c_p, 0)
+    parent = jnp.where(ok & (slot >= r_p), (slot - r_p) // c_p + 1, 0)
     token = plgpu.load(tokens_ref.at[slot], mask=ok, other=0)
     depth = jnp.sum(jnp.where(jnp.arange(n_p)[None, :] == parent[:, None], tree_ref[2][None, :], 0), axis=1) + 1
     return score, slot, jnp.where(ok, node, n_p - lane.shape[0] + lane), ok, parent, token, depth
 
 
 def _expand_kernel(count_ref, values_ref, tokens_ref, tree_ref, score_ref, anc_ref, token_table_ref, inv_freq_ref,
-                   out_norm_ref, out_bias_ref, *refs, root_call: bool, w: int, c_p: int, n: int, prefix_len: int,
-                   layers: int, heads: int, d: int, mlp: int, eps: float):
+                   out_norm_ref, out_bias_ref, *refs, root_call: bool, w: int, c_p: int, r_p: int, n: int,
+                   prefix_len: int, layers: int, heads: int, d: int, mlp: int, eps: float):
     """One sequence: select w frontier entries (the root, on the first call), make them nodes, run
     their node step. refs: each layer's weights (`_layer_weights`), the caches (k per layer, then v),
     then the outputs: count, frontier scores, tree, node scores, ancestors, caches (all aliased to
@@ -135,7 +136,8 @@ def _expand_kernel(count_ref, values_ref, tokens_ref, tree_ref, score_ref, anc_r
         strict = jnp.zeros((w_p, n_p), jnp.bool_)
     else:
         count = count_ref[...]
-        score, slot, nodes, ok, parent, token, depth = _select(values_ref, tokens_ref, tree_ref, count, w, c_p, n, lane)
+        score, slot, nodes, ok, parent, token, depth = _select(values_ref, tokens_ref, tree_ref, count, w, c_p, r_p, n,
+                                                               lane)
         plgpu.store(values_out.at[slot], jnp.full((w_p,), -jnp.inf), mask=ok)
         for row, value in enumerate((token, parent, depth, ok.astype(jnp.int32))):
             plgpu.store(tree_out.at[row, nodes], value, mask=ok)
@@ -216,8 +218,10 @@ def _expand_kernel(count_ref, values_ref, tokens_ref, tree_ref, score_ref, anc_r
 
 
 def _children_kernel(nodes_ref, u_ref, tree_ref, score_ref, pool_ids_ref, pool_logits_ref, candidate_ref, values_ref,
-                     tokens_ref, values_out, tokens_out, *, c: int, c_p: int, max_depth: int, d: int, pool: int):
-    """One new node (a lane of one sequence): its pool scored by u, normalised, the top c published."""
+                     tokens_ref, values_out, tokens_out, *, c: int, c_p: int, r_p: int, max_depth: int, d: int,
+                     pool: int):
+    """One new node (a lane of one sequence): its pool scored by u, normalised, the top c published
+    (the root's call: c, c_p are the root's children)."""
     del values_ref, tokens_ref  # aliased to the outputs: only written, at this node's own slots
     b, node = pl.program_id(0), nodes_ref[...]
 
@@ -247,7 +251,7 @@ def _children_kernel(nodes_ref, u_ref, tree_ref, score_ref, pool_ids_ref, pool_l
             values, tokens = jnp.where(rank == j, best, values), jnp.where(rank == j, pick(ids, lanes, at), tokens)
             logp = jnp.where(lanes == at, -jnp.inf, logp)
         alive = (rank < c) & (depth < max_depth)
-        slots = node * c_p + rank
+        slots = jnp.where(node == 0, 0, r_p + (node - 1) * c_p) + rank
         plgpu.store(values_out.at[slots], jnp.where(alive, pick(score_ref[...], index, node) + values, -jnp.inf))
         plgpu.store(tokens_out.at[slots], tokens)
 
@@ -264,8 +268,8 @@ def cache_size(prefix_len: int, budget: int, expansions: int) -> int:
 
 
 def weaver_search(adapter, tables, cache: KVCache, root, pool_ids, pool_logits, *, budget: int, children: int,
-                  expansions: int, max_depth: int, prefix_len: int, interpret: bool = False, num_warps: int = 4,
-                  num_stages: int = 1) -> Tree:
+                  expansions: int, max_depth: int, prefix_len: int, root_children: int | None = None,
+                  interpret: bool = False, num_warps: int = 4, num_stages: int = 1) -> Tree:
     """`_tree.batched_best_first` with the adapter's scorer (`_adapter.adapter_children`), in the
     kernels. adapter, tables: the `Adapter` and its `Tables`; cache: its K/V with the round's prefix
     in slots `[0, prefix_len)` and `cache_size(...)` slots (lengths unused); root `[B]`; pool_ids,
@@ -273,9 +277,10 @@ def weaver_search(adapter, tables, cache: KVCache, root, pool_ids, pool_logits, 
     config = adapter.config
     b, k, pool = pool_ids.shape
     n, c, w = budget + 1, children, expansions
-    c_p, w_p = pow2_at_least(c), pow2_at_least(w, 16)
+    r = c if root_children is None else root_children
+    c_p, r_p, w_p = pow2_at_least(c), pow2_at_least(r), pow2_at_least(w, 16)
     n_p = pow2_at_least(n + w_p)
-    f_p = pow2_at_least(n * c_p + w_p)
+    f_p = pow2_at_least(r_p + budget * c_p + w_p)
     slots = cache_size(prefix_len, budget, expansions)
     if cache.size < slots:
         raise ValueError(f"the adapter cache needs {slots} slots, got {cache.size}")
@@ -295,9 +300,9 @@ def weaver_search(adapter, tables, cache: KVCache, root, pool_ids, pool_logits, 
     launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
     def expand(state, root_call):
-        kernel = functools.partial(_expand_kernel, root_call=root_call, w=w, c_p=c_p, n=n, prefix_len=prefix_len,
-                                   layers=layers, heads=config.num_heads, d=d, mlp=config.mlp_dim,
-                                   eps=config.rms_norm_eps)
+        kernel = functools.partial(_expand_kernel, root_call=root_call, w=w, c_p=c_p, r_p=r_p, n=n,
+                                   prefix_len=prefix_len, layers=layers, heads=config.num_heads, d=d,
+                                   mlp=config.mlp_dim, eps=config.rms_norm_eps)
         extra = [tables.token, inv_freq, adapter.out_norm[...], adapter.out_norm_bias[...], *weights]
         written = [0, 1, 3, 4, 5, *range(6, len(state))]  # all but the frontier tokens
         inputs = [*state[:6], *extra, *state[6:]]
@@ -313,8 +318,9 @@ def weaver_search(adapter, tables, cache: KVCache, root, pool_ids, pool_logits, 
             new[i] = outs[j]
         return tuple(new), outs[-2], outs[-1]
 
-    def publish(state, u, nodes):
-        kernel = functools.partial(_children_kernel, c=c, c_p=c_p, max_depth=max_depth, d=d, pool=pool)
+    def publish(state, u, nodes, root_call):
+        kernel = functools.partial(_children_kernel, c=r if root_call else c, c_p=r_p if root_call else c_p, r_p=r_p,
+                                   max_depth=max_depth, d=d, pool=pool)
         values, tokens = pallas_call(
             kernel, [nodes, u, state[3], state[4], pool_ids, pool_logits, tables.candidate, state[1], state[2]],
             grid=(b, w_p), in_specs=[pl.BlockSpec((None, None), lambda i, r: (i, r)),
@@ -325,7 +331,7 @@ def weaver_search(adapter, tables, cache: KVCache, root, pool_ids, pool_logits, 
             aliases={7: 0, 8: 1}, name="weaver_children", **launch)
         return (state[0], values, tokens, *state[3:])
 
-    state = publish(*expand(state, True))
-    state = round_loop(search_calls(budget, c, w, max_depth), lambda _, s: publish(*expand(s, False)), state)
+    state = publish(*expand(state, True), True)
+    state = round_loop(search_calls(budget, c, w, max_depth, r), lambda _, s: publish(*expand(s, False), False), state)
     tree = state[3][:, :, :n]
     return Tree(tree[:, 0], tree[:, 1], tree[:, 2], tree[:, 3] != 0)

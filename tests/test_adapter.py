@@ -48,7 +48,7 @@ def test_zero_residual_gives_the_marginal_tree():
     adapter.query[...] = jnp.zeros_like(adapter.query[...])
     tree = weaver_tree(adapter, adapter.tables(target), **x, budget=BUDGET, children=4, expansions=3,
                        pool_size=cfg.vocab_size)
-    ref, _ = batched_best_first(x["root"], marginal_children(x["marginal_logits"], 4), None, budget=BUDGET,
+    ref, _ = batched_best_first(x["root"], marginal_children(x["marginal_logits"]), None, budget=BUDGET,
                                 children=4, expansions=3, max_depth=DEPTH)
     for a, b in zip(tree, ref, strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
@@ -77,8 +77,8 @@ def node_step_cost(vocab: int) -> tuple[int, float]:
         state = WeaverState(cache, jnp.zeros((2, 9, 9), bool))
         zeros = jnp.zeros((2, 9), jnp.int32)
         tree = Tree(zeros, zeros - 1, zeros, jnp.ones((2, 9), bool))
-        score = adapter_children(adapter, tables, pool_ids, pool_logits, 4, DEPTH + 1)
-        return score(state, tree, jnp.zeros((2, 1), jnp.int32))[:2]
+        score = adapter_children(adapter, tables, pool_ids, pool_logits, DEPTH + 1)
+        return score(state, tree, jnp.zeros((2, 1), jnp.int32), 4)[:2]
 
     compiled = jax.jit(expand_root).lower(tables, pool_ids, pool_logits, x["root_state"], x["drafter_states"]).compile()
     return params, compiled.cost_analysis()["flops"]

@@ -22,16 +22,16 @@ from .conftest import make_pair
 from .cuda import lower_for_cuda
 from .test_tree import check_valid_tree
 
-CASES = [  # seed, batch, depth, budget, children, expansions, d_rank, heads, mlp, pool
-    (0, 2, 5, 24, 4, 3, 64, 2, 96, 64),  # MLP columns past the last whole block
-    (1, 1, 3, 7, 8, 1, 96, 3, 64, 128),  # width not a power of two, one node per call
-    (2, 3, 7, 64, 3, 16, 32, 1, 64, 32),  # more nodes per call than children per node, odd children
+CASES = [  # seed, batch, depth, budget, children, root children, expansions, d_rank, heads, mlp, pool
+    (0, 2, 5, 24, 4, 11, 3, 64, 2, 96, 64),  # MLP columns past the last whole block, a wider root (padded)
+    (1, 1, 3, 7, 8, 8, 1, 96, 3, 64, 128),  # width not a power of two, one node per call
+    (2, 3, 7, 64, 3, 3, 16, 32, 1, 64, 32),  # more nodes per call than children per node, odd children
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernels_build_the_xla_tree(case):
-    seed, b, depth, budget, children, expansions, d_rank, heads, mlp, pool = case
+    seed, b, depth, budget, children, root_children, expansions, d_rank, heads, mlp, pool = case
     cfg, _, target = make_pair("qwen3", seed=seed, vocab_size=128)
     config = AdapterConfig.like(cfg, d_rank=d_rank, num_layers=2, num_heads=heads, mlp_dim=mlp, K=depth,
                                 candidate_pool_size=pool)
@@ -41,7 +41,8 @@ def test_kernels_build_the_xla_tree(case):
     inputs = dict(root=jnp.arange(b) + 3, root_state=jax.random.normal(keys[0], (b, cfg.hidden_size)),
                   drafter_states=jax.random.normal(keys[1], (b, depth, cfg.hidden_size)),
                   marginal_logits=2 * jax.random.normal(keys[2], (b, depth, 128)))
-    options = dict(budget=budget, children=children, expansions=expansions, pool_size=pool)
+    options = dict(budget=budget, children=children, root_children=root_children, expansions=expansions,
+                   pool_size=pool)
     tables = adapter.tables(target)
     with kernel_scope(()):
         want = weaver_tree(adapter, tables, **inputs, **options)
@@ -66,18 +67,18 @@ def test_which_adapters_take_the_kernels():
                          prefix_len=16)
 
 
-LIBRARY_SHAPES = [  # batch, budget, expansions, d_rank, heads, mlp, pool, dtype: the shipped SmolLM2 adapter at
-    # generate's defaults (budget 24, 8 per call, pool 64), B 1 / 8, budget 64 / 256, its full pool; the widest
-    # adapter that fits
-    (1, 64, 4, 192, 3, 512, 512, jnp.bfloat16), (8, 64, 8, 192, 3, 512, 512, jnp.bfloat16),
-    (1, 24, 8, 192, 3, 512, 64, jnp.bfloat16), (1, 256, 16, 192, 3, 512, 512, jnp.bfloat16),
-    (1, 64, 4, 512, 4, 1024, 512, jnp.float32),
+LIBRARY_SHAPES = [  # batch, budget, expansions, root children, d_rank, heads, mlp, pool, dtype: the shipped
+    # SmolLM2 adapter at generate's defaults (budget 24, 8 per call, pool 64), B 1 / 8, budget 64 / 256 (a root of 32
+    # children), its full pool; the widest adapter that fits
+    (1, 64, 4, 8, 192, 3, 512, 512, jnp.bfloat16), (8, 64, 8, 32, 192, 3, 512, 512, jnp.bfloat16),
+    (1, 24, 8, 8, 192, 3, 512, 64, jnp.bfloat16), (1, 256, 16, 8, 192, 3, 512, 512, jnp.bfloat16),
+    (1, 64, 4, 8, 512, 4, 1024, 512, jnp.float32),
 ]
 
 
 @pytest.mark.parametrize("shape", LIBRARY_SHAPES)
 def test_lowers_for_cuda(shape):
-    b, budget, w, d, heads, mlp, pool, dtype = shape
+    b, budget, w, root, d, heads, mlp, pool, dtype = shape
     config = AdapterConfig.like(wj.smollm2_135m(), d_rank=d, num_layers=2, num_heads=heads, mlp_dim=mlp, K=15,
                                 candidate_pool_size=pool, dtype=jnp.dtype(dtype).name)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Adapter(config, rngs=nnx.Rngs(0))))
@@ -86,7 +87,8 @@ def test_lowers_for_cuda(shape):
     pool_ids, pool_logits = jax.ShapeDtypeStruct((b, 15, pool), jnp.int32), jax.ShapeDtypeStruct((b, 15, pool),
                                                                                                jnp.float32)
     search = jax.jit(lambda p, *args: ws.weaver_search(nnx.merge(graphdef, p), *args, budget=budget, children=8,
-                                                       expansions=w, max_depth=15, prefix_len=16))
+                                                       expansions=w, max_depth=15, prefix_len=16,
+                                                       root_children=root))
     text = lower_for_cuda(search, params, Tables(table, table), cache, jax.ShapeDtypeStruct((b,), jnp.int32),
                           pool_ids, pool_logits)
     assert "weaver_expand" in text and "weaver_children" in text

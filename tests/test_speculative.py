@@ -132,7 +132,8 @@ def exact_three_token_distribution(target, prompt: list[int], temperature: float
 @pytest.mark.parametrize("method,options,sampling,drafter", [
     ("dflash", {}, dict(temperature=0.5), "oracle"),
     ("ddtree", {"budget": 12}, dict(temperature=1.3, top_k=5), "random"),
-    ("weaver", {"budget": 12, "expansions_per_call": 1}, dict(temperature=0.6, top_k=8, top_p=0.9), "oracle"),
+    ("weaver", {"budget": 12, "expansions_per_call": 1, "children_per_node": 3, "root_children": 9},
+     dict(temperature=0.6, top_k=8, top_p=0.9), "oracle"),
 ])
 def test_sampling_is_seed_identical_to_autoregressive(method, options, sampling, drafter):
     """With the same seed every method samples exactly `ar`'s tokens (ragged batch, per-sequence and
@@ -213,6 +214,8 @@ def test_speculative_bad_input():
         weaver_jax.generate(weaver_jax.Bundle(rb.target, drafter=rb.drafter), [[1]], method="weaver", max_new_tokens=2)
     with pytest.raises(ValueError, match=r"children_per_node must be an integer in \[1, pool_size=16\]"):
         weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, pool_size=16, children_per_node=17)
+    with pytest.raises(ValueError, match=r"root_children must be an integer in \[1, pool_size=16\]"):
+        weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, pool_size=16, root_children=0)
     with pytest.raises(ValueError, match=r"pool_size must be an integer in \[1, 128\]"):
         weaver_jax.generate(rb, [[1]], method="weaver", max_new_tokens=2, pool_size=1000)
     with pytest.raises(ValueError, match=r"marginal_tail must be an integer in \[0, budget=4\)"):

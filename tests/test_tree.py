@@ -40,13 +40,19 @@ def paths(tree: Tree, b: int) -> set[tuple[int, ...]]:
     return out
 
 
-def brute_force_top(logits: np.ndarray, budget: int) -> set[tuple[int, ...]]:
+def brute_force_top(logits: np.ndarray, budget: int, root_children: int | None = None,
+                    children: int | None = None) -> set[tuple[int, ...]]:
+    """The `budget` best prefixes; with widths, only prefixes whose first token is among marginal 0's
+    top `root_children` and every later one among its marginal's top `children`."""
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1), np.float64)
     k, v = logp.shape
+    rank = np.argsort(np.argsort(-logp, axis=1), axis=1)
+    widths = [root_children or v] + [children or v] * (k - 1)
     scored = []
     for d in range(1, k + 1):
         for prefix in itertools.product(range(v), repeat=d):
-            scored.append((sum(logp[t, x] for t, x in enumerate(prefix)), prefix))
+            if all(rank[t, x] < widths[t] for t, x in enumerate(prefix)):
+                scored.append((sum(logp[t, x] for t, x in enumerate(prefix)), prefix))
     scored.sort(key=lambda s: -s[0])
     return {p for _, p in scored[:budget]}
 
@@ -85,7 +91,7 @@ def test_extend_deepest_chains_the_argmax_below_the_first_deepest_node():
     from weaver_jax._tree import batched_best_first, extend_deepest, marginal_children
 
     logits = jax.random.normal(jax.random.key(2), (2, 5, 30))
-    tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, 3), None, budget=4, children=3,
+    tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits), None, budget=4, children=3,
                                  expansions=2, max_depth=5)
     out = extend_deepest(tree, logits, 4)
     check_valid_tree(out, 5)
@@ -149,7 +155,7 @@ def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
     for vocab, depth, budget in [(4, 3, 20), (6, 4, 33), (50, 6, 64)]:
         logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
         c = min(budget, vocab)
-        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, c), None, budget=budget,
+        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits), None, budget=budget,
                                      children=c, expansions=1, max_depth=depth)
         check_valid_tree(tree, depth)
         ref = ddtree(jnp.array([1, 2]), logits, budget)
@@ -157,30 +163,45 @@ def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
             assert paths(tree, b) == paths(ref, b)
 
 
+def test_batched_best_first_with_a_wider_root_is_its_exact_top():
+    """One expansion per call with `root_children` first tokens and `children` below: exactly the
+    best `budget` prefixes among those the widths allow (the root's slots before every node's)."""
+    from weaver_jax._tree import batched_best_first, marginal_children
+
+    rng = np.random.default_rng(5)
+    for vocab, depth, budget, root, c in [(6, 3, 20, 5, 2), (5, 3, 30, 1, 4), (7, 2, 12, 7, 1)]:
+        logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
+        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits), None, budget=budget,
+                                     children=c, expansions=1, max_depth=depth, root_children=root)
+        check_valid_tree(tree, depth)
+        for b in range(2):
+            assert paths(tree, b) == brute_force_top(np.asarray(logits[b]), budget, root, c)
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), budget=st.integers(1, 300), children=st.integers(1, 8),
-       depth=st.integers(1, 7))
-def test_batched_best_first_makes_valid_full_trees(seed, budget, children, depth):
-    """Any budget, children per node and default expansions: a valid tree with exactly `budget`
-    nodes past the root whenever that many prefixes exist, in the static `search_calls` scorer calls
-    (about budget / w)."""
+       root=st.one_of(st.none(), st.integers(1, 12)), depth=st.integers(1, 7))
+def test_batched_best_first_makes_valid_full_trees(seed, budget, children, root, depth):
+    """Any budget, children per node (and at the root) and default expansions: a valid tree with
+    exactly `budget` nodes past the root whenever that many prefixes exist, in the static
+    `search_calls` scorer calls (about budget / w)."""
     from weaver_jax._tree import batched_best_first, marginal_children, search_calls
 
     vocab = 40
     logits = jnp.asarray(np.random.default_rng(seed).standard_normal((3, depth, vocab)))
     w = -(-budget // 16)
-    inner = marginal_children(logits, children)
+    inner = marginal_children(logits)
 
-    def counting(calls, tree, nodes):  # the state counts scorer calls
-        tokens, logp, _ = inner(None, tree, nodes)
+    def counting(calls, tree, nodes, width):  # the state counts scorer calls
+        tokens, logp, _ = inner(None, tree, nodes, width)
         return tokens, logp, calls + 1
 
     tree, calls = batched_best_first(jnp.arange(3), counting, jnp.int32(0), budget=budget, children=children,
-                                     expansions=w, max_depth=depth)
+                                     expansions=w, max_depth=depth, root_children=root)
     check_valid_tree(tree, depth)
-    possible = sum(children**d for d in range(1, depth + 1))
+    possible = sum((root or children) * children ** (d - 1) for d in range(1, depth + 1))
     assert np.asarray(tree.valid).sum(1).tolist() == [1 + min(budget, possible)] * 3
-    assert int(calls) == 1 + search_calls(budget, children, w, depth)  # the root's call, then a fixed count
+    assert int(calls) == 1 + search_calls(budget, children, w, depth, root)  # the root's call, then a fixed count
 
 
 def test_search_calls_fill_the_tree_whichever_entries_are_taken():
@@ -188,9 +209,9 @@ def test_search_calls_fill_the_tree_whichever_entries_are_taken():
     the fewest children) and when it takes the shallowest: a count of entries per depth."""
     from weaver_jax._tree import search_calls
 
-    def filled(budget, children, w, depth, deepest):
-        frontier, got = {1: children}, 0
-        for _ in range(search_calls(budget, children, w, depth)):
+    def filled(budget, children, w, depth, deepest, root):
+        frontier, got = {1: root}, 0
+        for _ in range(search_calls(budget, children, w, depth, root)):
             new = {}
             for _ in range(min(w, sum(frontier.values()), budget - got)):
                 d = (max if deepest else min)(frontier)
@@ -203,12 +224,13 @@ def test_search_calls_fill_the_tree_whichever_entries_are_taken():
                 frontier[k] = frontier.get(k, 0) + v
         return got
 
-    for children, w, depth in itertools.product((1, 2, 3, 8), (1, 3, 8, 16), (1, 2, 3, 15)):
-        possible = sum(children**d for d in range(1, depth + 1))
+    for children, w, depth, wider in itertools.product((1, 2, 3, 8), (1, 3, 8, 16), (1, 2, 3, 15), (0, 5)):
+        root = children + wider
+        possible = sum(root * children ** (d - 1) for d in range(1, depth + 1))
         for budget in (1, 5, 16, 64, 130):
             for deepest in (True, False):
-                assert filled(budget, children, w, depth, deepest) == min(budget, possible), (
-                    budget, children, w, depth, deepest)
+                assert filled(budget, children, w, depth, deepest, root) == min(budget, possible), (
+                    budget, children, w, depth, deepest, root)
     assert [search_calls(b, 8, -(-b // 16), 15) for b in (16, 64, 256)] == [16, 16, 17]
 
 

@@ -159,7 +159,7 @@ class WeaverState(NamedTuple):
 
 
 def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool_logits: jax.Array,
-                     children: int, prefix_len: int):
+                     prefix_len: int):
     """The path-dependent child scorer for `batched_best_first`. pool_ids, pool_logits `[B, K, P]`:
     the drafter's top-P candidates per depth and their logits."""
     k = pool_ids.shape[1]
@@ -168,7 +168,7 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
     if slot_kernel:
         from weaver_jax.pallas_kernels.adapter_attention import visible_slots
 
-    def score(state: WeaverState, tree: Tree, nodes: jax.Array):
+    def score(state: WeaverState, tree: Tree, nodes: jax.Array, width: int):
         b, w = nodes.shape
         n = tree.size
         rows = jnp.arange(b)[:, None]
@@ -190,7 +190,7 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
             residual = jnp.einsum("bwpd,bwd->bwp", jnp.take(tables.candidate, ids, axis=0), u,
                                   preferred_element_type=jnp.float32)
             logp = jax.nn.log_softmax(jnp.take_along_axis(pool_logits, d, axis=1).astype(jnp.float32) + residual, -1)
-            top, rank = jax.lax.top_k(logp, children)
+            top, rank = jax.lax.top_k(logp, width)
         return jnp.take_along_axis(ids, rank, axis=2), top, WeaverState(cache, ancestors)
 
     return score
@@ -205,7 +205,7 @@ def random_adapter_config(target: ModelConfig, *, depth: int, d_rank: int = 32, 
 
 def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: jax.Array, drafter_states: jax.Array,
                 marginal_logits: jax.Array, *, budget: int, children: int, expansions: int, pool_size: int,
-                marginal_tail: int = 0) -> Tree:
+                marginal_tail: int = 0, root_children: int | None = None) -> Tree:
     """The Weaver proposal tree: batched best-first over the adapter's path-conditioned scores for
     `budget - marginal_tail` nodes, then `marginal_tail` nodes continuing the deepest along the
     drafter's argmax (`extend_deepest`). root `[B]`, root_state `[B, D]`, drafter_states
@@ -227,10 +227,11 @@ def weaver_tree(adapter: Adapter, tables: Tables, root: jax.Array, root_state: j
     if fused:
         tree = weaver_search.weaver_search(adapter, tables, cache, root, pool_ids, pool_logits, budget=searched,
                                            children=children, expansions=expansions, max_depth=depth,
-                                           prefix_len=prefix_len, interpret=interpret())
+                                           prefix_len=prefix_len, root_children=root_children,
+                                           interpret=interpret())
     else:
         state = WeaverState(cache, jnp.zeros((b, searched + 1, searched + 1), bool))
-        score = adapter_children(adapter, tables, pool_ids, pool_logits, children, prefix_len)
+        score = adapter_children(adapter, tables, pool_ids, pool_logits, prefix_len)
         tree, _ = batched_best_first(root, score, state, budget=searched, children=children,
-                                     expansions=expansions, max_depth=depth)
+                                     expansions=expansions, max_depth=depth, root_children=root_children)
     return extend_deepest(tree, marginal_logits, marginal_tail) if marginal_tail else tree

@@ -81,11 +81,18 @@ def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int
         if not isinstance(tail, int) or not 0 <= tail < budget:
             raise ValueError(f"marginal_tail must be an integer in [0, budget={budget}) (at least one node is "
                              f"searched), got {tail!r}")
+        # the root's children: the first tokens on offer. Sampled text often starts outside a node's top 8,
+        # so a wider root paid +4% τ at T = 1 (budget 64, H200), deeper nodes keeping their 8 (BENCHMARKS)
+        root = options.pop("root_children", children)
+        if not isinstance(root, int) or not 1 <= root <= pool:
+            raise ValueError(f"root_children must be an integer in [1, pool_size={pool}], got {root!r}")
         branching = children
-        extra = dict(pool_size=pool, children=children, expansions=expansions, prefix=deepest, tail=tail)
+        extra = dict(pool_size=pool, children=children, root_children=root, expansions=expansions, prefix=deepest,
+                     tail=tail)
     if options:
         raise TypeError(f"method {method!r} got unknown options {sorted(options)}")
-    prefixes = sum(min(branching**d, MAX_BUDGET + 1) for d in range(1, depth + 1))
+    first = extra.get("root_children", branching)
+    prefixes = sum(min(first * branching ** (d - 1), MAX_BUDGET + 1) for d in range(1, depth + 1))
     if budget > min(prefixes, MAX_BUDGET):
         raise ValueError(f"budget={budget} is larger than the frontier allows: at most {min(prefixes, MAX_BUDGET)} "
                          f"distinct prefixes of depth <= {depth} with {branching} children per node (cap {MAX_BUDGET})")
@@ -301,7 +308,7 @@ def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, jax.Array, Forwa
             tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, : p.opts["prefix"]], marginals,
                                budget=p.opts["budget"], children=p.opts["children"],
                                expansions=p.opts["expansions"], pool_size=p.opts["pool_size"],
-                               marginal_tail=p.opts["tail"])
+                               marginal_tail=p.opts["tail"], root_children=p.opts["root_children"])
         else:
             tree = build_tree(p.method, s.root, marginals, p.opts)
         ancestors = tree.ancestors(p.depth)

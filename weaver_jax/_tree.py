@@ -155,29 +155,29 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
     return tree
 
 
-def marginal_children(marginal_logits: jax.Array, children: int):
-    """A child scorer that ignores the path: a node at depth t offers the top-`children` tokens of
+def marginal_children(marginal_logits: jax.Array):
+    """A child scorer that ignores the path: a node at depth t offers the top-`width` tokens of
     marginal t + 1 (DDTree's scores). marginal_logits `[B, K, V]`. The Weaver adapter is the
     path-dependent scorer with the same signature."""
-    logp, ids = jax.lax.top_k(jax.nn.log_softmax(marginal_logits.astype(jnp.float32), -1), children)  # [B, K, c]
+    logp = jax.nn.log_softmax(marginal_logits.astype(jnp.float32), -1)
     k = marginal_logits.shape[1]
 
-    def score(state, tree: Tree, nodes: jax.Array):
+    def score(state, tree: Tree, nodes: jax.Array, width: int):
         d = jnp.clip(jnp.take_along_axis(tree.depth, nodes, axis=1), 0, k - 1)  # [B, w]: next depth - 1
-        return (jnp.take_along_axis(ids, d[:, :, None], axis=1), jnp.take_along_axis(logp, d[:, :, None], axis=1),
-                state)
+        top, ids = jax.lax.top_k(jnp.take_along_axis(logp, d[:, :, None], axis=1), width)
+        return ids, top, state
 
     return score
 
 
-def search_calls(budget: int, children: int, expansions: int, max_depth: int) -> int:
+def search_calls(budget: int, children: int, expansions: int, max_depth: int, root_children: int | None = None) -> int:
     """Scorer calls after the root's that give `batched_best_first` `budget` nodes (or every prefix
     the depth limit leaves, if fewer) whatever the scores: the count with the frontier's deepest
     entries taken first, which publish the fewest children. A static number, so the search is a
     fixed-trip loop (unrolled on a GPU) instead of a while loop that checks the frontier each call."""
     frontier = [0] * (max_depth + 1)  # entries per depth
     if max_depth:
-        frontier[1] = children
+        frontier[1] = children if root_children is None else root_children
     left, calls = budget, 0
     while left > 0 and any(frontier):
         take = min(expansions, left)
@@ -192,36 +192,42 @@ def search_calls(budget: int, children: int, expansions: int, max_depth: int) ->
 
 
 def batched_best_first(root: jax.Array, score_children, state, *, budget: int, children: int, expansions: int,
-                       max_depth: int) -> tuple[Tree, object]:
-    """Weaver's tree search (DESIGN 3.4): every expanded node publishes its top-`children` children
-    with cumulative log-probabilities into a frontier of `(budget + 1) * children` slots (node i
-    owns slots `[i * c, (i + 1) * c)`); each call takes the best `expansions` entries, materialises
+                       max_depth: int, root_children: int | None = None) -> tuple[Tree, object]:
+    """Weaver's tree search (DESIGN 3.4): the root publishes its top-`root_children` children
+    (default: `children`), every later node its top-`children`, with cumulative log-probabilities
+    into a frontier of `r + budget * c` slots (the root owns slots `[0, r)`, node i >= 1 slots
+    `[r + (i - 1) * c, r + i * c)`); each call takes the best `expansions` entries, materialises
     them as the next nodes and expands them together, so a tree costs `search_calls(...)` scorer
-    calls (about `budget / expansions`) after the root's.
+    calls (about `budget / expansions`) after the root's. A wider root offers the first tokens
+    that sampled text often takes outside a node's top few (BENCHMARKS, issue 19).
 
-    score_children(state, tree, nodes [B, w]) -> (tokens [B, w, c], logp [B, w, c], state): the
-    children of each node in `nodes` and their log-probabilities given the node's path.
+    score_children(state, tree, nodes [B, w], width) -> (tokens [B, w, width], logp [B, w, width],
+    state): the top-`width` children of each node in `nodes` and their log-probabilities given the
+    node's path.
     root `[B]` -> (a tree of `budget + 1` nodes, exactly `budget` of them valid past the root
     unless the frontier runs dry; the scorer's final state)."""
     b, c, w = root.shape[0], children, expansions
+    r = c if root_children is None else root_children
     n = budget + 1
+    f = r + budget * c  # frontier slots
     rows = jnp.arange(b)[:, None]
     tree = Tree(tokens=jnp.zeros((b, n), jnp.int32).at[:, 0].set(root), parent=jnp.full((b, n), -1, jnp.int32),
                 depth=jnp.zeros((b, n), jnp.int32), valid=jnp.zeros((b, n), bool).at[:, 0].set(True))
 
-    def publish(tree, node_score, frontier, front_tokens, state, nodes, ok):
-        tokens, logp, state = score_children(state, tree, nodes)
+    def publish(tree, node_score, frontier, front_tokens, state, nodes, ok, width, first):
+        tokens, logp, state = score_children(state, tree, nodes, width)
         node_depth = jnp.take_along_axis(tree.depth, nodes, axis=1)
         cum = jnp.take_along_axis(node_score, nodes, axis=1)[:, :, None] + logp
         cum = jnp.where((ok & (node_depth < max_depth))[:, :, None], cum, -jnp.inf)
-        slots = jnp.where(ok[:, :, None], nodes[:, :, None] * c + jnp.arange(c), n * c).reshape(b, -1)
+        slots = jnp.where(ok[:, :, None], first[:, :, None] + jnp.arange(width), f).reshape(b, -1)
         return (frontier.at[rows, slots].set(cum.reshape(b, -1), mode="drop"),
                 front_tokens.at[rows, slots].set(tokens.reshape(b, -1), mode="drop"), state)
 
     node_score = jnp.zeros((b, n), jnp.float32)
+    root_node = jnp.zeros((b, 1), jnp.int32)
     frontier, front_tokens, state = publish(
-        tree, node_score, jnp.full((b, n * c), -jnp.inf), jnp.zeros((b, n * c), jnp.int32), state,
-        jnp.zeros((b, 1), jnp.int32), jnp.ones((b, 1), bool))
+        tree, node_score, jnp.full((b, f), -jnp.inf), jnp.zeros((b, f), jnp.int32), state, root_node,
+        jnp.ones((b, 1), bool), r, root_node)
 
     def call(_, carry):
         tree, node_score, frontier, front_tokens, state, count = carry
@@ -229,15 +235,16 @@ def batched_best_first(root: jax.Array, score_children, state, *, budget: int, c
         nodes = count[:, None] + jnp.arange(w)[None, :]
         ok = jnp.isfinite(best) & (nodes < n)
         nodes = jnp.minimum(nodes, n - 1)
-        parent = slots // c
+        parent = jnp.where(slots < r, 0, (slots - r) // c + 1)
         put = lambda a, v: a.at[rows, jnp.where(ok, nodes, n)].set(v, mode="drop")  # noqa: E731
         tree = Tree(put(tree.tokens, jnp.take_along_axis(front_tokens, slots, axis=1)), put(tree.parent, parent),
                     put(tree.depth, jnp.take_along_axis(tree.depth, parent, axis=1) + 1), put(tree.valid, ok))
         node_score = put(node_score, best)
-        frontier = frontier.at[rows, jnp.where(ok, slots, n * c)].set(-jnp.inf, mode="drop")
-        frontier, front_tokens, state = publish(tree, node_score, frontier, front_tokens, state, nodes, ok)
+        frontier = frontier.at[rows, jnp.where(ok, slots, f)].set(-jnp.inf, mode="drop")
+        frontier, front_tokens, state = publish(tree, node_score, frontier, front_tokens, state, nodes, ok, c,
+                                                r + (nodes - 1) * c)
         return tree, node_score, frontier, front_tokens, state, count + ok.sum(1)
 
     carry = (tree, node_score, frontier, front_tokens, state, jnp.ones((b,), jnp.int32))
-    out = round_loop(search_calls(budget, c, w, max_depth), call, carry)
+    out = round_loop(search_calls(budget, c, w, max_depth, r), call, carry)
     return out[0], out[4]
