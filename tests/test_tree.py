@@ -147,6 +147,19 @@ def test_ddtree_rejects_a_budget_below_one(budget):
         tree_options("ddtree", {"budget": budget}, block_size=8, vocab_size=100)
 
 
+def test_weaver_widens_the_root_by_default_only_when_sampling():
+    """Sampled text often starts outside a node's top 8: the root offers budget // 2 first tokens
+    (within children_per_node and the pool); greedy and explicit choices keep theirs."""
+    from weaver_jax._speculative import tree_options
+
+    def root(budget, sampled, **options):
+        return tree_options("weaver", {"budget": budget, **options}, block_size=16, vocab_size=1000, pool_size=512,
+                            sampled=sampled)["root_children"]
+
+    assert [root(64, False), root(64, True), root(24, True), root(8, True), root(512, True)] == [8, 32, 12, 8, 64]
+    assert root(64, True, root_children=5) == 5 and root(64, True, pool_size=20) == 20
+
+
 def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
     """w = 1 and enough children per node is strict best-first: DDTree's exact top-budget set."""
     from weaver_jax._tree import batched_best_first, marginal_children

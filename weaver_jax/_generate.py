@@ -176,8 +176,9 @@ def _compiled(fn, static: dict, *args):
     return _COMPILED[key]
 
 
-def _speculative_setup(bundle, method: str, method_options: dict):
-    """Check the drafter against the target and the method's options; -> (options, tree nodes)."""
+def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool):
+    """Check the drafter against the target and the method's options (their defaults for sampled
+    decoding when `sampled`); -> (options, tree nodes)."""
     from weaver_jax._speculative import tree_options
 
     if bundle.drafter is None:
@@ -194,7 +195,7 @@ def _speculative_setup(bundle, method: str, method_options: dict):
         adapter_limits = dict(pool_size=min(bundle.adapter.config.candidate_pool_size, dconfig.vocab_size),
                               max_depth=bundle.adapter.config.K)
     options = tree_options(method, method_options, block_size=dconfig.block_size, vocab_size=dconfig.vocab_size,
-                           **adapter_limits)
+                           sampled=sampled, **adapter_limits)
     nodes = options["budget"] + 1 if "budget" in options else options["depth"] + 1
     return options, nodes
 
@@ -222,7 +223,7 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {config.max_seq_len} tokens")
     if method != "ar":
-        options, nodes = _speculative_setup(bundle, method, method_options)
+        options, nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy)
 
     if pad_to is None:
         padded_len = _round_up(longest, 32)
@@ -264,7 +265,9 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
 
     method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
-    `budget`, default 64) or "weaver" (options `budget` (24), `children_per_node` (8),
+    `budget`, default 64) or "weaver" (options `budget` (24), `children_per_node` (8), `root_children`
+    (the root's: `children_per_node`; sampling, where the first token is often outside a node's top
+    8: budget // 2, at least `children_per_node`, at most `pool_size`),
     `expansions_per_call` (min(8, ceil(budget / 3))), `pool_size` (64, at most the adapter's),
     `marginal_tail` (min(8, budget // 6): nodes of the budget that continue the deepest node along
     the drafter's argmax, at no adapter call; 0: none)); every speculative method takes `depth` (the

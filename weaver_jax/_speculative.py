@@ -38,10 +38,10 @@ DEFAULT_POOL = 64
 
 
 def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int, pool_size: int = 0,
-                 max_depth: int | None = None) -> dict:
+                 max_depth: int | None = None, sampled: bool = False) -> dict:
     """Validate a method's options against the drafter (its block size and vocabulary) and, for
     "weaver", the adapter (its pool size, which caps the default `pool_size`, and max depth);
-    returns the static options of the round.
+    returns the static options of the round (`sampled`: their defaults for sampled decoding).
     Every method takes `depth`: the deepest tree node (default and maximum: block_size - 1, and the
     adapter's K for "weaver"); the drafter projects only that many positions to the vocabulary."""
     deepest = block_size - 1 if max_depth is None else min(block_size - 1, max_depth)
@@ -81,9 +81,11 @@ def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int
         if not isinstance(tail, int) or not 0 <= tail < budget:
             raise ValueError(f"marginal_tail must be an integer in [0, budget={budget}) (at least one node is "
                              f"searched), got {tail!r}")
-        # the root's children: the first tokens on offer. Sampled text often starts outside a node's top 8,
-        # so a wider root paid +4% τ at T = 1 (budget 64, H200), deeper nodes keeping their 8 (BENCHMARKS)
-        root = options.pop("root_children", children)
+        # the root's children: the first tokens on offer. Sampled text often starts outside a node's top 8:
+        # 32 children per node measured +4% τ at T = 1 at budget 64 on an H200, nine tenths of it (CPU
+        # proxy) from the root's; nothing at budget 24, a little less greedy τ (BENCHMARKS, issue 19)
+        wide = min(pool, max(children, budget // 2)) if sampled else children
+        root = options.pop("root_children", wide)
         if not isinstance(root, int) or not 1 <= root <= pool:
             raise ValueError(f"root_children must be an integer in [1, pool_size={pool}], got {root!r}")
         branching = children
