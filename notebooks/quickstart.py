@@ -73,7 +73,7 @@ print("identical:", results["ar"].tokens == results["weaver"].tokens)
 # Each sampled run is a valid draw from the target's distribution; the two methods use their
 # random numbers differently, so the texts differ.
 
-# %%
+# %% tags=["ci-skip"]
 for method, options in (("ar", {}), ("weaver", {"budget": budget})):
     r = weaver_jax.generate(bundle, [ids], method=method, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=1,
                             **options)

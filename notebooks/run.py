@@ -39,8 +39,10 @@ def sync(name: str) -> None:
 def check_in_sync(name: str) -> None:
     import nbformat
 
-    source = [(c.cell_type, c.source) for c in _paired(name).cells]
-    stored = [(c.cell_type, c.source) for c in nbformat.read(HERE / f"{name}.ipynb", as_version=4).cells]
+    def cells(notebook):  # tags too: `execute` reads ci-skip from the .ipynb
+        return [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in notebook.cells]
+
+    source, stored = cells(_paired(name)), cells(nbformat.read(HERE / f"{name}.ipynb", as_version=4))
     if source != stored:
         raise AssertionError(f"notebooks/{name}.ipynb is out of date with {name}.py: run `make notebooks-sync`")
 
@@ -54,6 +56,8 @@ def execute(name: str, small: bool, timeout: int = 1800) -> None:
     if small:
         os.environ["WEAVER_NOTEBOOK_SMALL"] = "1"
     notebook = nbformat.read(HERE / f"{name}.ipynb", as_version=4)
+    if small:  # cells tagged ci-skip repeat what a cheaper test covers (the suite's 10 minutes): `make notebooks` only
+        notebook.cells = [c for c in notebook.cells if "ci-skip" not in c.metadata.get("tags", [])]
     NotebookClient(notebook, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(HERE)}}).execute()
 

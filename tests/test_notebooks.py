@@ -1,6 +1,8 @@
 """The notebooks: every .ipynb matches its jupytext .py source, and the quickstart and convert
-notebooks run top to bottom on CPU with small settings (a raising cell fails the test). The train
-and benchmark notebooks run in `make notebooks`."""
+notebooks run top to bottom on CPU with small settings (a raising cell fails the test), less their
+cells tagged ci-skip (the SmolLM2 conversion, which tests/test_convert.py covers; quickstart's sampled
+runs, the same calls as its greedy ones at another temperature). The train and benchmark notebooks,
+and every cell, run in `make notebooks`."""
 
 import importlib.util
 from pathlib import Path
