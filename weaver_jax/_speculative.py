@@ -83,7 +83,7 @@ def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int
                              f"searched), got {tail!r}")
         # the root's children: the first tokens on offer. Sampled text often starts outside a node's top 8:
         # 32 children per node measured +4% τ at T = 1 at budget 64 on an H200, nine tenths of it (CPU
-        # proxy) from the root's; nothing at budget 24, a little less greedy τ (BENCHMARKS, issue 19)
+        # proxy) from the root's; nothing at budget 24, greedy τ the same on greedy text (BENCHMARKS, issue 19)
         wide = min(pool, max(children, budget // 2)) if sampled else children
         root = options.pop("root_children", wide)
         if not isinstance(root, int) or not 1 <= root <= pool:
