@@ -89,7 +89,7 @@ def main():
         report(stage="node_step", expansions=w, ms=loop(node_step, (aparams, tables, cache)))
 
         def marginal_search(c, m, w=w):
-            score = marginal_children(nudge(m, c))
+            score = marginal_children(nudge(m, c), children)
             tree, _ = batched_best_first(c, score, None, budget=64, children=children, expansions=w, max_depth=k)
             return tree.tokens[:, -1]
         report(stage="marginal_search", budget=64, expansions=w, ms=loop(marginal_search, marginals))

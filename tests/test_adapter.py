@@ -48,7 +48,7 @@ def test_zero_residual_gives_the_marginal_tree():
     adapter.query[...] = jnp.zeros_like(adapter.query[...])
     tree = weaver_tree(adapter, adapter.tables(target), **x, budget=BUDGET, children=4, expansions=3,
                        pool_size=cfg.vocab_size)
-    ref, _ = batched_best_first(x["root"], marginal_children(x["marginal_logits"]), None, budget=BUDGET,
+    ref, _ = batched_best_first(x["root"], marginal_children(x["marginal_logits"], 4), None, budget=BUDGET,
                                 children=4, expansions=3, max_depth=DEPTH)
     for a, b in zip(tree, ref, strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))

@@ -91,7 +91,7 @@ def test_extend_deepest_chains_the_argmax_below_the_first_deepest_node():
     from weaver_jax._tree import batched_best_first, extend_deepest, marginal_children
 
     logits = jax.random.normal(jax.random.key(2), (2, 5, 30))
-    tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits), None, budget=4, children=3,
+    tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, 3), None, budget=4, children=3,
                                  expansions=2, max_depth=5)
     out = extend_deepest(tree, logits, 4)
     check_valid_tree(out, 5)
@@ -168,7 +168,7 @@ def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
     for vocab, depth, budget in [(4, 3, 20), (6, 4, 33), (50, 6, 64)]:
         logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
         c = min(budget, vocab)
-        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits), None, budget=budget,
+        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, c), None, budget=budget,
                                      children=c, expansions=1, max_depth=depth)
         check_valid_tree(tree, depth)
         ref = ddtree(jnp.array([1, 2]), logits, budget)
@@ -184,11 +184,14 @@ def test_batched_best_first_with_a_wider_root_is_its_exact_top():
     rng = np.random.default_rng(5)
     for vocab, depth, budget, root, c in [(6, 3, 20, 5, 2), (5, 3, 30, 1, 4), (7, 2, 12, 7, 1)]:
         logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
-        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits), None, budget=budget,
+        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, max(root, c)), None, budget=budget,
                                      children=c, expansions=1, max_depth=depth, root_children=root)
         check_valid_tree(tree, depth)
         for b in range(2):
             assert paths(tree, b) == brute_force_top(np.asarray(logits[b]), budget, root, c)
+    with pytest.raises(ValueError, match="the scorer ranked the top 2 children, 3 were asked for"):
+        batched_best_first(jnp.array([1, 2]), marginal_children(logits, 2), None, budget=4, children=2, expansions=1,
+                           max_depth=2, root_children=3)
 
 
 @settings(max_examples=20, deadline=None)
@@ -203,7 +206,7 @@ def test_batched_best_first_makes_valid_full_trees(seed, budget, children, root,
     vocab = 40
     logits = jnp.asarray(np.random.default_rng(seed).standard_normal((3, depth, vocab)))
     w = -(-budget // 16)
-    inner = marginal_children(logits)
+    inner = marginal_children(logits, max(children, root or 0))
 
     def counting(calls, tree, nodes, width):  # the state counts scorer calls
         tokens, logp, _ = inner(None, tree, nodes, width)

@@ -155,17 +155,21 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
     return tree
 
 
-def marginal_children(marginal_logits: jax.Array):
+def marginal_children(marginal_logits: jax.Array, widest: int):
     """A child scorer that ignores the path: a node at depth t offers the top-`width` tokens of
-    marginal t + 1 (DDTree's scores). marginal_logits `[B, K, V]`. The Weaver adapter is the
-    path-dependent scorer with the same signature."""
-    logp = jax.nn.log_softmax(marginal_logits.astype(jnp.float32), -1)
+    marginal t + 1 (DDTree's scores), `width` <= `widest` (the top-`widest` are ranked once, here,
+    not in every call). marginal_logits `[B, K, V]`. The Weaver adapter is the path-dependent scorer
+    with the same signature."""
+    logp, ids = jax.lax.top_k(jax.nn.log_softmax(marginal_logits.astype(jnp.float32), -1), widest)  # [B, K, widest]
     k = marginal_logits.shape[1]
 
     def score(state, tree: Tree, nodes: jax.Array, width: int):
-        d = jnp.clip(jnp.take_along_axis(tree.depth, nodes, axis=1), 0, k - 1)  # [B, w]: next depth - 1
-        top, ids = jax.lax.top_k(jnp.take_along_axis(logp, d[:, :, None], axis=1), width)
-        return ids, top, state
+        if width > widest:
+            raise ValueError(f"the scorer ranked the top {widest} children, {width} were asked for")
+        d = jnp.clip(jnp.take_along_axis(tree.depth, nodes, axis=1), 0, k - 1)[:, :, None]  # [B, w, 1]: depth - 1
+        # lax.top_k keeps the lower index first among ties, so the top-width are a prefix of the top-widest
+        return (jnp.take_along_axis(ids, d, axis=1)[..., :width], jnp.take_along_axis(logp, d, axis=1)[..., :width],
+                state)
 
     return score
 
