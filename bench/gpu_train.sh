@@ -102,7 +102,9 @@ need_gguf() { [ -f "$GGUF" ] || { echo "the target is not staged: run 'stage' wi
 # the `send` stage alone empties the rest in back-to-back calls. Here: copy each call's files into
 # .stage/carry/; next session carry them (three pieces a call: ~41 MiB fit beside the repository) and
 # `unpack` extracts every set whose manifest and pieces have all arrived (stage runs it too). The GGUF
-# goes the same way: `bash bench/gpu_train.sh carry-gguf` here makes its pieces.
+# goes the same way: `bash bench/gpu_train.sh carry-gguf` here makes its pieces. The shipped weights are 30 of
+# the tree's 38 MiB: with weaver_jax/weights moved aside here for the staging calls (nothing before `drafter`,
+# `adapter`, `tau`, `e2e` reads them), four 13 MiB pieces travel per call, so the GGUF stages in two calls.
 OUTBOX=$STAGE/outbox
 pack() {
   local name=$1; shift
