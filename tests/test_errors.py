@@ -102,6 +102,16 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch):
         weaver_jax.load("smollm2-135m-instruct")
 
 
+def test_missing_shipped_weights_are_an_error_not_a_bundle_without_them(monkeypatch, tmp_path):
+    from weaver_jax import _load
+
+    monkeypatch.setattr(_load, "SHIPPED_WEIGHTS", tmp_path)  # a damaged install: the weights folder is empty
+    with pytest.raises(FileNotFoundError, match=r"the drafter shipped for 'smollm2-135m-instruct' is missing"):
+        weaver_jax.load("smollm2-135m-instruct")
+    with pytest.raises(FileNotFoundError, match=r"the adapter shipped .* is missing .* pass adapter="):
+        weaver_jax.load("smollm2-135m-instruct", drafter=tmp_path)
+
+
 def test_unknown_model_name():
     with pytest.raises(FileNotFoundError, match="neither a known model name"):
         weaver_jax.load("no-such-model")

@@ -99,11 +99,10 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: 
     dtype: parameter dtype, "float32" or "bfloat16"; default: a checkpoint's own, else float32 on
     CPU and bfloat16 on GPU.
     """
-    bundle = _load_target(name_or_path, dtype)
-    shipped = SHIPPED_WEIGHTS / str(name_or_path)
     if str(name_or_path) in NAMED_MODELS:
-        drafter = drafter if drafter is not None else _if_exists(shipped / "drafter")
-        adapter = adapter if adapter is not None else _if_exists(shipped / "adapter")
+        drafter = drafter if drafter is not None else _shipped(str(name_or_path), "drafter")
+        adapter = adapter if adapter is not None else _shipped(str(name_or_path), "adapter")
+    bundle = _load_target(name_or_path, dtype)
     part_dtype = dtype or bundle.config.dtype
     if drafter is not None:
         bundle.drafter = _load_part(Path(drafter), "drafter", part_dtype, bundle.config)
@@ -134,8 +133,14 @@ def check_bundle(bundle: Bundle) -> None:
 SHIPPED_WEIGHTS = Path(__file__).parent / "weights"
 
 
-def _if_exists(path: Path) -> Path | None:
-    return path if path.exists() else None
+def _shipped(name: str, kind: str) -> Path:
+    """The named model's shipped drafter or adapter; a missing one is a damaged install, said before
+    anything loads (not a bundle quietly without it)."""
+    path = SHIPPED_WEIGHTS / name / kind
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"the {kind} shipped for {name!r} is missing ({path}): the weaver_jax install is "
+                                f"incomplete; reinstall it, or pass {kind}= a checkpoint of your own")
+    return path
 
 
 def _load_part(path: Path, kind: str, dtype: str, target: ModelConfig):
