@@ -136,8 +136,10 @@ SHIPPED_WEIGHTS = Path(__file__).parent / "weights"
 def _shipped(name: str, kind: str) -> Path:
     """The named model's shipped drafter or adapter; a missing one is a damaged install, said before
     anything loads (not a bundle quietly without it)."""
+    from weaver_jax.convert import checkpoint
+
     path = SHIPPED_WEIGHTS / name / kind
-    if not (path / "config.json").exists():
+    if not checkpoint.is_checkpoint(path):
         raise FileNotFoundError(f"the {kind} shipped for {name!r} is missing ({path}): the weaver_jax install is "
                                 f"incomplete; reinstall it, or pass {kind}= a checkpoint of your own")
     return path
