@@ -176,13 +176,18 @@ run_name() {  # KIND, or with RUN=NAME KIND-NAME: a side run (the τ-against-dat
   echo "$1${RUN:+-$RUN}"
 }
 
-export_args() { [ -n "${RUN:-}" ] || echo --export "$STAGE/export/$1"; }
+export_args() {  # the export goes beside export/KIND, which may be this run's INIT, and replaces it when written
+  rm -rf "$STAGE/export/$1.next"
+  [ -n "${RUN:-}" ] || echo --export "$STAGE/export/$1.next"
+}
 
 finish_run() {  # finish_run KIND: the log back through $OUT (KIND-RUN_log.jsonl for a side run), the export packed
   local name; name=$(run_name "$1")
   tail -n 3 "$STAGE/runs/$name/log.jsonl"
   cp "$STAGE/runs/$name/log.jsonl" "$OUT/${name}_log.jsonl"
-  [ -z "${RUN:-}" ] && [ -d "$STAGE/export/$1" ] && pack "$1" "export/$1"
+  [ -z "${RUN:-}" ] && [ -d "$STAGE/export/$1.next" ] || return 0
+  rm -rf "$STAGE/export/$1.prev"; [ -d "$STAGE/export/$1" ] && mv "$STAGE/export/$1" "$STAGE/export/$1.prev"
+  mv "$STAGE/export/$1.next" "$STAGE/export/$1" && pack "$1" "export/$1"
 }
 
 while [ $# -gt 0 ]; do

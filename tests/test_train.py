@@ -297,7 +297,8 @@ def test_cli_trains_exports_and_resumes(trained_setup, tmp_path, capsys):
     for flags, error in ((["--layers", "2", "--init", str(tmp_path / "drafter_2")], "differs from the run's in "
                                                                                     "['num_layers']"),
                          (["--layers", "1", "--init", str(tmp_path / "adapter")], "of kind 'adapter', not 'drafter'"),
-                         (["--layers", "1", "--init-step", "2"], "--init-step needs --init")):
+                         (["--layers", "1", "--init-step", "2"], "--init-step needs --init"),
+                         (["--layers", "1", "--export", str(tmp_path / "drafter")], "drafter already exists")):
         assert cli.main(["train-drafter", str(data_dir), str(tmp_path / "refused"), *common, *drafter_flags,
                          *flags]) == 2
         assert error in capsys.readouterr().err

@@ -143,7 +143,10 @@ def _init_module(path, kind: str, config):
 def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
     from weaver_jax import _train
     from weaver_jax._train_data import load_dataset, subset
+    from weaver_jax.convert import checkpoint
 
+    if args.export:  # refused now, not after the whole schedule has run
+        checkpoint.require_new(args.export)
     data = load_dataset(args.data)
     if args.max_sequences:
         data = subset(data, args.max_sequences, args.seed)
