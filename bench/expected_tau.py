@@ -37,19 +37,24 @@ import weaver_jax as wj  # noqa: E402
 from weaver_jax import _generate, _speculative  # noqa: E402
 
 
-@functools.partial(jax.jit, static_argnames=_speculative._STATIC)
+@functools.partial(jax.jit, static_argnames=(*_speculative._STATIC, "coupled"))
 def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_lengths, keys, adapter_params=None, *,
                  graphdef, drafter_graphdef, adapter_graphdef=None, method, options=(), max_new_tokens,
-                 sampling=_speculative._GREEDY, eos_ids=(), kernels=(), exact=False):
+                 sampling=_speculative._GREEDY, eos_ids=(), kernels=(), exact=False, coupled=True):
     """`spec_first_round`'s arguments -> (greedy τ `[B]`, expected τ at temperature 1 by depth `[B, K + 1]`:
-    the summed path probability of each depth's nodes, the root's 1 first; its sum is the expected τ)."""
+    the summed path probability of each depth's nodes, the root's 1 first; its sum is the expected τ of
+    independent draws; sampled τ `[B]`: the walk of the round's own draws at `sampling` - with the tree
+    coupled to them, as `generate` builds it, unless `coupled=False`)."""
     p = _speculative._parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef,
                             method, options, exact)
     s = _speculative._prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
                               max_new_tokens)
-    tree, ancestors, verify = _speculative._propose_and_verify(p, s)
+    build = sampling if coupled else _speculative._GREEDY  # what the tree is built for
+    tree, ancestors, verify = _speculative._propose_and_verify(p, s, keys, build)
     rows = jnp.arange(tree.tokens.shape[0])
     greedy = _speculative.walk_choices(tree, jnp.argmax(verify.logits, -1).astype(jnp.int32), p.depth, ancestors)
+    draws = _speculative.tree_choices(tree, verify.logits, keys, s.num_tokens, sampling)
+    sampled = _speculative.walk_choices(tree, draws, p.depth, ancestors)
     parent = jnp.maximum(tree.parent, 0)
     probs = jax.nn.softmax(verify.logits, -1)
     own = jnp.where(tree.valid & (tree.parent >= 0), probs[rows[:, None], parent, tree.tokens], 0.0)  # [B, N]
@@ -60,7 +65,7 @@ def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_l
     path_probability = jax.lax.fori_loop(1, tree.size, reach, jnp.ones(own.shape).at[:, 1:].set(0.0))
     # invalid nodes have probability 0 (`own`), so they add nothing to their depth-0 slot
     by_depth = jnp.zeros((own.shape[0], p.depth + 1)).at[rows[:, None], tree.depth].add(path_probability)
-    return greedy.length, by_depth  # the root's 1 stands for the bonus
+    return greedy.length, by_depth, sampled.length  # the root's 1 stands for the bonus
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -82,6 +87,12 @@ def main():
                         "(long confident stretches: depth counts more than on sampled text)")
     parser.add_argument("--max-prompt", type=int, default=200)
     parser.add_argument("--config", action="append", required=True, help="method:option=value,... (repeatable)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="> 0: also the τ of the round's own draws at this temperature (sampled_tau), the tree "
+                        "coupled to them as `generate` builds it; each context --draws times with other keys")
+    parser.add_argument("--draws", type=int, default=1)
+    parser.add_argument("--uncoupled", action="store_true", help="with --temperature: trees from the drafter's "
+                        "logits alone (as before coupled drafts), for comparison")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -98,21 +109,26 @@ def main():
                       seed=args.seed + 1)
     contexts = [list(p) + list(o[:c]) for p, o in zip(prompts, out.tokens, strict=True)
                 for c in rng.integers(0, max(1, len(o) - 1), args.cuts)]
+    contexts = contexts * (args.draws if args.temperature > 0 else 1)  # the copies draw with other keys
     rows = []
     for text in args.config:
         method, options = parse_config(text)
         t0 = time.time()
-        fn, static, call = _generate._prepare(bundle, contexts, method, bundle.drafter.config.block_size + 1, 0.0, 0,
-                                              1.0, args.seed, [], options, round_only=True)
-        greedy, by_depth = (np.asarray(x, np.float64) for x in round_scores(*call, **static))
+        fn, static, call = _generate._prepare(bundle, contexts, method, bundle.drafter.config.block_size + 1,
+                                              args.temperature, 0, 1.0, args.seed, [], options, round_only=True)
+        greedy, by_depth, sampled = (np.asarray(x, np.float64)
+                                     for x in round_scores(*call, **static, coupled=not args.uncoupled))
         expected = by_depth.sum(1)
+        if args.temperature > 0:
+            extra = dict(temperature=args.temperature, coupled=not args.uncoupled, draws=args.draws,
+                         sampled_tau=sampled.mean(), sampled_tau_se=sampled.std() / np.sqrt(len(sampled)))
         row = dict(config=text, drafter=args.drafter or "shipped", adapter=args.adapter or "shipped",
                    contexts=len(contexts), continuation=args.continuation,
                    continuation_temperature=args.continuation_temperature, greedy_tau=greedy.mean(),
                    greedy_tau_se=greedy.std() / np.sqrt(len(greedy)), expected_tau_t1=expected.mean(),
                    expected_tau_t1_se=expected.std() / np.sqrt(len(expected)),
                    expected_tau_t1_by_depth=by_depth.mean(0).round(4).tolist(), seconds=time.time() - t0,
-                   device=jax.devices()[0].device_kind)
+                   device=jax.devices()[0].device_kind, **(extra if args.temperature > 0 else {}))
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

@@ -130,17 +130,21 @@ def exact_three_token_distribution(target, prompt: list[int], temperature: float
 
 
 @pytest.mark.parametrize("method,options,sampling,drafter", [
-    ("dflash", {}, dict(temperature=0.5), "oracle"),
+    ("dflash", {}, dict(temperature=0.5), "target logits"),
     ("ddtree", {"budget": 12}, dict(temperature=1.3, top_k=5), "random"),
     ("weaver", {"budget": 12, "expansions_per_call": 1, "children_per_node": 3, "root_children": 9},
      dict(temperature=0.6, top_k=8, top_p=0.9), "oracle"),
 ])
 def test_sampling_is_seed_identical_to_autoregressive(method, options, sampling, drafter):
     """With the same seed every method samples exactly `ar`'s tokens (ragged batch, per-sequence and
-    shared seeds): the draw of each generated token is keyed by its index in both."""
+    shared seeds): the draw of each generated token is keyed by its index in both. The drafts are
+    coupled to those draws (`coupled_drafts`): a drafter whose first position is the target's own
+    distribution proposes there exactly the token the target draws, so every round accepts it (an
+    uncoupled draft - the argmax - only with the target's probability of it)."""
     rb = random_bundle(3, block_size=6)
     bundle = rb if drafter == "random" else weaver_jax.Bundle(
-        rb.target, drafter=OracleDrafter(rb.config, block_size=6), adapter=rb.adapter)
+        rb.target, drafter=OracleDrafter(rb.config, block_size=6, logits=drafter == "target logits"),
+        adapter=rb.adapter)
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [3, 4]]
     for seed in (7, [3, 1, 4]):
         ar = weaver_jax.generate(bundle, prompts, max_new_tokens=20, seed=seed, eos_token_id=[], **sampling)
@@ -148,6 +152,8 @@ def test_sampling_is_seed_identical_to_autoregressive(method, options, sampling,
                                    **sampling, **options)
         assert spec.tokens == ar.tokens, (seed, spec.tokens, ar.tokens)
         assert drafter == "random" or spec.stats["mean_accepted_length"] > 1.2, spec.stats  # paths past the root
+        if drafter == "target logits":  # no round stops at the root
+            assert spec.stats["accepted_length_histogram"][1] == 0, spec.stats
     other = weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=20, seed=8, eos_token_id=[],
                                 **sampling, **options)
     assert other.tokens != spec.tokens  # the seed matters

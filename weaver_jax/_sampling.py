@@ -42,33 +42,34 @@ def _top_p_keep(sorted_logits: jax.Array, top_p: float) -> jax.Array:
     return mass_before < top_p
 
 
-def filtered_logits(logits: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array | None]:
-    """Temperature-scaled logits with everything outside top-k / top-p set to -inf.
-
-    logits `[..., V]` -> (`[..., K]` logits, `[..., K]` token ids) when top-k is active (K = top_k),
-    else (`[..., V]` logits, None)."""
+def filtered_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """Temperature-scaled logits `[..., V]` with everything outside top-k / top-p set to -inf (a token
+    tied with the k-th largest stays in, as in Hugging Face's top-k)."""
     logits = logits.astype(jnp.float32) / sampling.temperature
     if sampling.top_k and sampling.top_k < logits.shape[-1]:
-        values, ids = jax.lax.top_k(logits, sampling.top_k)
-        if sampling.top_p < 1:
-            values = jnp.where(_top_p_keep(values, sampling.top_p), values, -jnp.inf)
-        return values, ids
-    if sampling.top_p < 1:
+        ordered = jax.lax.top_k(logits, sampling.top_k)[0]
+    elif sampling.top_p < 1:
         ordered = jnp.sort(logits, axis=-1, descending=True)
-        keep = _top_p_keep(ordered, sampling.top_p)
-        threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
-    return logits, None
+    else:
+        return logits
+    keep = _top_p_keep(ordered, sampling.top_p) if sampling.top_p < 1 else jnp.ones(ordered.shape, bool)
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def draw_noise(keys: jax.Array, step: jax.Array, size: int) -> jax.Array:
+    """The Gumbel noise `[B, size]` of the draw keyed by `fold_in(keys[i], step[i])`: `select` samples
+    the argmax of the filtered logits plus this noise (the Gumbel-max trick, as `jax.random.categorical`),
+    and a speculative round perturbs its draft scores with the same noise, so that its proposals are
+    coupled to the draws that verify them (`_speculative.coupled_drafts`)."""
+    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(step, keys.shape))
+    return jax.vmap(lambda key: jax.random.gumbel(key, (size,), jnp.float32))(step_keys)
 
 
 def select(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
     """logits `[B, V]`, keys `[B]` (one per sequence), step scalar or `[B]` -> tokens `[B]` int32.
-    The draw of sequence i uses `fold_in(keys[i], step[i])`."""
+    The draw of sequence i uses `fold_in(keys[i], step[i])` (`draw_noise`)."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    values, ids = filtered_logits(logits, sampling)
-    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(step, keys.shape))
-    choice = jax.vmap(jax.random.categorical)(step_keys, values)
-    if ids is not None:
-        choice = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
-    return choice.astype(jnp.int32)
+    values = filtered_logits(logits, sampling)
+    return jnp.argmax(values + draw_noise(keys, step, values.shape[-1]), axis=-1).astype(jnp.int32)

@@ -3,7 +3,8 @@
 The whole generation is one `lax.while_loop` under `jax.jit`. Per round:
   1. the drafter proposes marginals for the `b - 1` positions after the root (the last bonus token);
   2. a builder turns them into a static tree (`chain` for DFlash, `ddtree`, or the Weaver
-     adapter's batched best-first search);
+     adapter's batched best-first search) - when the target samples, from the marginals perturbed by
+     the Gumbel noise of the very draws that will verify them (`coupled_drafts`);
   3. the target verifies every node at position `len + depth` under the ancestor mask; the nodes'
      K/V land in the scratch slots `[len, len + N)`;
   4. the acceptance walk starts at the root: draw the target's token at the current node (argmax,
@@ -24,7 +25,7 @@ from flax import nnx
 
 from weaver_jax._adapter import weaver_tree
 from weaver_jax._model import ForwardOutput, KVCache, _write
-from weaver_jax._sampling import Sampling, select
+from weaver_jax._sampling import Sampling, draw_noise, select
 from weaver_jax._tree import Tree, chain, ddtree
 from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
 
@@ -297,14 +298,34 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
         histogram=jnp.zeros((b, p.depth + 2), jnp.int32))
 
 
-def _propose_and_verify(p: _Parts, s: SpecState) -> tuple[Tree, jax.Array, ForwardOutput]:
-    """Draft, build the tree and run the target over it (its K/V written past the prefix):
-    -> (the tree, its ancestor table `[B, N, N]`, the target's forward)."""
+def coupled_drafts(marginal_logits: jax.Array, keys: jax.Array, first_step: jax.Array,
+                   sampling: Sampling) -> jax.Array:
+    """The scores a tree is built from when the target samples: the drafter's logits `[B, K, V]` at the
+    sampling temperature plus, at depth t + 1, the Gumbel noise of the target's draw that decides that
+    depth (`draw_noise` at step `first_step + t`, the draw at the depth-t node: `node_steps`). The
+    target draws argmax(its filtered logits + that noise), so where the drafter's distribution is
+    close to the target's, its perturbed argmax is the token the target will draw (1 - TV-like
+    acceptance where unperturbed drafts get the target's probability of the drafter's argmax). The
+    verification is unchanged - the walk follows the target's own draws -, so the output stays `ar`'s
+    for the seed; greedy decoding keeps the logits as they are."""
+    if sampling.greedy:
+        return marginal_logits
+    b, k, v = marginal_logits.shape
+    noise = jax.vmap(lambda t: draw_noise(keys, first_step + t, v), out_axes=1)(jnp.arange(k))
+    return marginal_logits.astype(jnp.float32) / sampling.temperature + noise
+
+
+def _propose_and_verify(p: _Parts, s: SpecState, keys: jax.Array | None = None,
+                        sampling: Sampling = _GREEDY) -> tuple[Tree, jax.Array, ForwardOutput]:
+    """Draft, build the tree (from `coupled_drafts` when sampling: keys `[B]`) and run the target over
+    it (its K/V written past the prefix): -> (the tree, its ancestor table `[B, N, N]`, the target's
+    forward)."""
     # named scopes: the stages a profile of the round reports (bench/round_profile.py)
     with jax.named_scope("drafter"):
         marginals, states = p.drafter.propose(p.target, s.cache, s.root, s.drafter_cache, depth=p.depth)
         if marginals.shape[1] != p.depth:  # a tree deeper than the round expects would be walked wrongly
             raise ValueError(f"the drafter proposed {marginals.shape[1]} positions, the round asked for {p.depth}")
+        marginals = coupled_drafts(marginals, keys, s.num_tokens, sampling)
     with jax.named_scope("tree"):
         if p.method == "weaver":  # the adapter's prefix: the drafter states of all the depths it was made for
             tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, : p.opts["prefix"]], marginals,
@@ -325,7 +346,7 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     b = s.root.shape[0]
     rows = jnp.arange(b)
     active = ~s.done
-    tree, ancestors, verify = _propose_and_verify(p, s)
+    tree, ancestors, verify = _propose_and_verify(p, s, keys, sampling)
     with jax.named_scope("accept"):
         # the root's draw is for generated token num_tokens: the same keys as `ar` (node_steps)
         acc, moved = accept_and_move(tree, verify.logits, verify.cache, keys, s.num_tokens, sampling, p.depth,
