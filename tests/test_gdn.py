@@ -54,11 +54,13 @@ def random_inputs(rng, b, t):
 def test_step_and_chunked_prefill_equal_the_recurrence():
     rng = np.random.default_rng(0)
     q, k, v, g, beta, state = random_inputs(rng, 2, 37)
-    out, final = gated_delta_chunked(q, k, v, g, beta, state, chunk=8)  # 5 chunks, the last padded
+    # 5 chunks, the last padded; jitted here and below: one compile each instead of one per eager op
+    out, final = jax.jit(gated_delta_chunked, static_argnames="chunk")(q, k, v, g, beta, state, chunk=8)
     s = jnp.asarray(state)
     steps = []
+    step = jax.jit(gated_delta_step)
     for t in range(37):
-        o, s = gated_delta_step(*(x[:, t:t + 1] for x in (q, k, v, g, beta)), s)
+        o, s = step(*(x[:, t:t + 1] for x in (q, k, v, g, beta)), s)
         steps.append(o)
     for r in range(2):
         ref_out, ref_state = rule_reference(q[r], k[r], v[r], g[r], beta[r], state[r])
@@ -80,29 +82,36 @@ def test_tree_nodes_equal_their_paths_and_folding_equals_decoding(seed, nodes):
     conv_state = np.float32(rng.standard_normal((1, CHANNELS, WIDTH - 1)))
     weight = np.float32(rng.standard_normal((CHANNELS, WIDTH)))
 
-    out, terms = _tree(q, k, v, g, beta, state, ancestors)
-    path_table = position_path(jnp.asarray(depth), jnp.zeros((1,), jnp.int32), jnp.asarray(ancestors))
-    conv = conv_tree(jnp.asarray(x), jnp.asarray(conv_state), jnp.asarray(weight), path_table, jnp.asarray(depth))
+    accepted = paths[int(rng.integers(0, nodes))]  # fold one path: the state of decoding it
+    on = np.zeros((1, nodes), bool)
+    on[0, accepted] = True
+    padded = np.zeros((1, nodes), np.int32)
+    padded[0, : len(accepted)] = accepted
+    out, conv, folded, unchanged, folded_conv = _tree_case(q, k, v, g, beta, state, ancestors, depth, x, conv_state,
+                                                           weight, on, padded, np.array([len(accepted)]))
     for i, p in enumerate(paths):
         ref_out, ref_state = rule_reference(q[0, p], k[0, p], v[0, p], g[0, p], beta[0, p], state[0])
         np.testing.assert_allclose(out[0, i], ref_out[-1], rtol=1e-4, atol=1e-4, err_msg=f"seed {seed}, node {i}")
         np.testing.assert_allclose(conv[0, i], conv_reference(x[0, p], conv_state[0], weight), rtol=1e-5,
                                    atol=1e-5, err_msg=f"seed {seed}, node {i}")
-    accepted = paths[int(rng.integers(0, nodes))]  # fold one path: the state of decoding it
-    on = np.zeros((1, nodes), bool)
-    on[0, accepted] = True
-    np.testing.assert_allclose(fold(jnp.asarray(state), terms, jnp.asarray(on))[0], rule_reference(
+    np.testing.assert_allclose(folded[0], rule_reference(
         q[0, accepted], k[0, accepted], v[0, accepted], g[0, accepted], beta[0, accepted], state[0])[1],
         rtol=1e-4, atol=1e-4, err_msg=f"seed {seed}")
-    np.testing.assert_array_equal(fold(jnp.asarray(state), terms, jnp.zeros((1, nodes), bool)), state)
-    padded = np.zeros((1, nodes), np.int32)
-    padded[0, : len(accepted)] = accepted
-    folded = fold_conv(jnp.asarray(conv_state), jnp.asarray(x), jnp.asarray(padded), jnp.asarray([len(accepted)]))
+    np.testing.assert_array_equal(unchanged, state)
     expected = np.concatenate([conv_state[0], x[0, accepted].T], 1)[:, -(WIDTH - 1):]
-    np.testing.assert_array_equal(folded[0], expected)
+    np.testing.assert_array_equal(folded_conv[0], expected)
 
 
-_tree = jax.jit(gated_delta_tree)
+@jax.jit
+def _tree_case(q, k, v, g, beta, state, ancestors, depth, x, conv_state, weight, on, padded, length):
+    """One example's every computation in one program (one compile per tree size, not one per eager op):
+    the tree outputs, the conv of every node, the fold of the accepted path `on` and of no path, and the
+    conv state after the accepted path's nodes `padded` (its first `length`)."""
+    out, terms = gated_delta_tree(q, k, v, g, beta, state, ancestors)
+    path_table = position_path(depth, jnp.zeros((1,), jnp.int32), ancestors)
+    conv = conv_tree(x, conv_state, weight, path_table, depth)
+    return (out, conv, fold(state, terms, on), fold(state, terms, jnp.zeros_like(on)),
+            fold_conv(conv_state, x, padded, length))
 
 
 def layer_reference(layer, x, recurrent, conv):
@@ -142,7 +151,8 @@ def test_layer_prefill_tree_and_commit_equal_the_token_by_token_layer():
     state = GDNState(jnp.asarray(0.3 * rng.standard_normal((2, H_V, D_K, D_V)), jnp.float32),
                      jnp.asarray(rng.standard_normal((2, 2 * H_K * D_K + H_V * D_V, WIDTH - 1)), jnp.float32))
     lengths = np.array([13, 9])
-    out, after = layer.prefill(jnp.asarray(x), state, jnp.asarray(lengths), chunk=4)
+    # jitted (one compile each, not one per eager op); layer_reference reads the same weights
+    out, after = nnx.jit(lambda m, *a: m.prefill(*a, chunk=4))(layer, jnp.asarray(x), state, jnp.asarray(lengths))
     for r in range(2):
         ys, rec, conv = layer_reference(layer, x[r, : lengths[r]], state.recurrent[r], state.conv[r])
         np.testing.assert_allclose(out[r, : lengths[r]], ys, rtol=2e-4, atol=2e-4)
@@ -154,14 +164,16 @@ def test_layer_prefill_tree_and_commit_equal_the_token_by_token_layer():
     depth = np.array([[len(p) - 1 for p in paths]])
     nodes = np.float32(rng.standard_normal((1, 9, 16)))
     committed = GDNState(after.recurrent[:1], after.conv[:1])
-    out, pending = layer(jnp.asarray(nodes), committed, jnp.asarray(depth), jnp.asarray(ancestors))
+    out, pending = nnx.jit(lambda m, *a: m(*a))(layer, jnp.asarray(nodes), committed, jnp.asarray(depth),
+                                                jnp.asarray(ancestors))
     for i, p in enumerate(paths):
         ys, _, _ = layer_reference(layer, nodes[0, p], committed.recurrent[0], committed.conv[0])
         np.testing.assert_allclose(out[0, i], ys[-1], rtol=2e-4, atol=2e-4, err_msg=f"node {i}")
     accepted = paths[int(np.argmax(depth[0]))]
     path_nodes = np.zeros((1, 9), np.int32)
     path_nodes[0, : len(accepted)] = accepted
-    new = layer.commit(committed, pending, jnp.asarray(path_nodes), jnp.asarray([len(accepted)]))
+    new = nnx.jit(lambda m, *a: m.commit(*a))(layer, committed, pending, jnp.asarray(path_nodes),
+                                               jnp.asarray([len(accepted)]))
     _, rec, conv = layer_reference(layer, nodes[0, accepted], committed.recurrent[0], committed.conv[0])
     np.testing.assert_allclose(new.recurrent[0], rec, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(new.conv[0], conv, rtol=1e-6, atol=1e-6)
