@@ -57,11 +57,15 @@ def brute_force_top(logits: np.ndarray, budget: int, root_children: int | None =
     return {p for _, p in scored[:budget]}
 
 
+# jitted: one compile per example's shapes instead of one per eager op
+_ddtree = jax.jit(ddtree, static_argnums=2)
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), vocab=st.integers(2, 5), depth=st.integers(1, 3), budget=st.integers(1, 40))
 def test_ddtree_is_the_exact_top_budget(seed, vocab, depth, budget):
     logits = np.random.default_rng(seed).standard_normal((2, depth, vocab)) * 2
-    tree = ddtree(jnp.array([7, 9]), jnp.asarray(logits), budget)
+    tree = _ddtree(jnp.array([7, 9]), jnp.asarray(logits), budget)
     check_valid_tree(tree, depth)
     total = sum(vocab**d for d in range(1, depth + 1))
     assert np.asarray(tree.valid).sum(1).tolist() == [1 + min(budget, total)] * 2
@@ -72,7 +76,7 @@ def test_ddtree_is_the_exact_top_budget(seed, vocab, depth, budget):
 
 def test_ddtree_full_budget_on_a_large_vocabulary():
     logits = jax.random.normal(jax.random.key(0), (3, 7, 500))
-    tree = jax.jit(ddtree, static_argnums=2)(jnp.arange(3), logits, 64)
+    tree = _ddtree(jnp.arange(3), logits, 64)
     check_valid_tree(tree, 7)
     assert np.asarray(tree.valid).sum(1).tolist() == [65, 65, 65]
 
@@ -91,9 +95,9 @@ def test_extend_deepest_chains_the_argmax_below_the_first_deepest_node():
     from weaver_jax._tree import batched_best_first, extend_deepest, marginal_children
 
     logits = jax.random.normal(jax.random.key(2), (2, 5, 30))
-    tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, 3), None, budget=4, children=3,
-                                 expansions=2, max_depth=5)
-    out = extend_deepest(tree, logits, 4)
+    tree, _ = jax.jit(lambda x: batched_best_first(jnp.array([1, 2]), marginal_children(x, 3), None, budget=4,
+                                                   children=3, expansions=2, max_depth=5))(logits)
+    out = jax.jit(extend_deepest, static_argnums=2)(tree, logits, 4)
     check_valid_tree(out, 5)
     assert all(np.array_equal(np.asarray(a)[:, :5], np.asarray(b)) for a, b in zip(out, tree, strict=True))
     depth, valid, argmax = np.asarray(tree.depth), np.asarray(tree.valid), np.argmax(logits, -1)
@@ -168,10 +172,11 @@ def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
     for vocab, depth, budget in [(4, 3, 20), (6, 4, 33), (50, 6, 64)]:
         logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
         c = min(budget, vocab)
-        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, c), None, budget=budget,
-                                     children=c, expansions=1, max_depth=depth)
+        tree, _ = jax.jit(lambda x, c=c, budget=budget, depth=depth: batched_best_first(
+            jnp.array([1, 2]), marginal_children(x, c), None, budget=budget, children=c, expansions=1,
+            max_depth=depth))(logits)
         check_valid_tree(tree, depth)
-        ref = ddtree(jnp.array([1, 2]), logits, budget)
+        ref = _ddtree(jnp.array([1, 2]), logits, budget)
         for b in range(2):
             assert paths(tree, b) == paths(ref, b)
 
@@ -184,8 +189,9 @@ def test_batched_best_first_with_a_wider_root_is_its_exact_top():
     rng = np.random.default_rng(5)
     for vocab, depth, budget, root, c in [(6, 3, 20, 5, 2), (5, 3, 30, 1, 4), (7, 2, 12, 7, 1)]:
         logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
-        tree, _ = batched_best_first(jnp.array([1, 2]), marginal_children(logits, max(root, c)), None, budget=budget,
-                                     children=c, expansions=1, max_depth=depth, root_children=root)
+        tree, _ = jax.jit(lambda x, c=c, budget=budget, depth=depth, root=root: batched_best_first(
+            jnp.array([1, 2]), marginal_children(x, max(root, c)), None, budget=budget, children=c, expansions=1,
+            max_depth=depth, root_children=root))(logits)
         check_valid_tree(tree, depth)
         for b in range(2):
             assert paths(tree, b) == brute_force_top(np.asarray(logits[b]), budget, root, c)
