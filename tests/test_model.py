@@ -5,6 +5,7 @@ ragged batches = single sequences."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import weaver_jax
 from weaver_jax import KVCache
@@ -18,11 +19,17 @@ from .conftest import make_pair
 ATOL_F32 = 1e-4
 
 
+@nnx.jit(static_argnames="hidden_layers")
+def run(target, ids, positions, cache, attend=None, hidden_layers=(), logits_rows=None):
+    """`target(...)` jitted: one compile per model and shapes instead of one per eager op."""
+    return target(ids, positions, cache, attend, hidden_layers=hidden_layers, logits_rows=logits_rows)
+
+
 def forward_all(target, ids: np.ndarray, cache_size: int = 64, hidden_layers=()):
     b, t = ids.shape
     cache = KVCache.init(target.config, b, cache_size)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    return target(jnp.asarray(ids), positions, cache, hidden_layers=hidden_layers)
+    return run(target, jnp.asarray(ids), positions, cache, hidden_layers=hidden_layers)
 
 
 def test_logits_match_reference(family):
@@ -58,11 +65,11 @@ def test_prefill_then_decode_equals_full_forward(family):
     full = forward_all(target, ids).logits
     cache = KVCache.init(cfg, 2, 32)
     n_prefill = 7
-    out = target(jnp.asarray(ids[:, :n_prefill]), jnp.broadcast_to(jnp.arange(n_prefill), (2, n_prefill)), cache)
+    out = run(target, jnp.asarray(ids[:, :n_prefill]), jnp.broadcast_to(jnp.arange(n_prefill), (2, n_prefill)), cache)
     np.testing.assert_allclose(out.logits, full[:, :n_prefill], atol=ATOL_F32)
     cache = out.cache.with_lengths(jnp.full((2,), n_prefill))
     for t in range(n_prefill, 12):
-        out = target(jnp.asarray(ids[:, t : t + 1]), cache.lengths[:, None], cache)
+        out = run(target, jnp.asarray(ids[:, t : t + 1]), cache.lengths[:, None], cache)
         np.testing.assert_allclose(out.logits[:, 0], full[:, t], atol=ATOL_F32)
         cache = out.cache.with_lengths(cache.lengths + 1)
 
@@ -101,10 +108,10 @@ def test_tree_verify_equals_sequential_decoding(family, shape):
     nodes = rng.integers(0, cfg.vocab_size, (2, n))
 
     cache = KVCache.init(cfg, 2, 48)
-    out = target(jnp.asarray(prompts), jnp.broadcast_to(jnp.arange(9), (2, 9)), cache)
+    out = run(target, jnp.asarray(prompts), jnp.broadcast_to(jnp.arange(9), (2, 9)), cache)
     cache = out.cache.with_lengths(jnp.asarray(prompt_lengths))
     positions = prompt_lengths[:, None] + depth[None, :]
-    tree = target(jnp.asarray(nodes), jnp.asarray(positions), cache, jnp.broadcast_to(anc, (2, n, n)))
+    tree = run(target, jnp.asarray(nodes), jnp.asarray(positions), cache, jnp.broadcast_to(anc, (2, n, n)))
     assert np.array_equal(tree.cache.lengths, prompt_lengths)  # verification never commits
 
     for b in range(2):
@@ -131,7 +138,7 @@ def test_logits_rows_and_hidden_layer_errors():
     ids = np.arange(10)[None] % cfg.vocab_size
     full = forward_all(target, ids).logits
     cache = KVCache.init(cfg, 1, 16)
-    rows = target(jnp.asarray(ids), jnp.arange(10)[None], cache, logits_rows=jnp.array([[9, 2]])).logits
+    rows = run(target, jnp.asarray(ids), jnp.arange(10)[None], cache, logits_rows=jnp.array([[9, 2]])).logits
     np.testing.assert_allclose(rows[0], full[0, [9, 2]], atol=ATOL_F32)
     with pytest.raises(ValueError, match="hidden_layers"):
         target(jnp.asarray(ids), jnp.arange(10)[None], cache, hidden_layers=(cfg.num_layers,))
