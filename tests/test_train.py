@@ -234,10 +234,13 @@ def test_losses_on_a_hybrid_target():
     rb = testing.random_bundle(4, family="qwen3_5", vocab_size=96, block_size=5)
     data = _data(rb, n=3, t=24)
     batch, key = {k: jnp.asarray(v) for k, v in data.items()}, jax.random.key(0)
-    loss, metrics = drafter_loss(rb.drafter, rb.target, batch, key, anchors=4, gamma=7.0, distill=0.5)
+    # jitted, as training runs them: one compile each instead of one per eager op
+    static = ("anchors", "gamma", "distill")
+    loss, metrics = nnx.jit(drafter_loss, static_argnames=static)(rb.drafter, rb.target, batch, key, anchors=4,
+                                                                  gamma=7.0, distill=0.5)
     assert np.isfinite(loss) and metrics["teacher_acc"] == 1.0
-    loss, metrics = adapter_loss(rb.adapter, rb.target, rb.drafter, batch, key, anchors=4, gamma=7.0,
-                                 pool_size=16, distill=0.5)
+    loss, metrics = nnx.jit(adapter_loss, static_argnames=(*static, "pool_size"))(
+        rb.adapter, rb.target, rb.drafter, batch, key, anchors=4, gamma=7.0, pool_size=16, distill=0.5)
     assert np.isfinite(loss) and metrics["kl"] > 0
 
 
