@@ -64,7 +64,9 @@ def test_kernel_matches_reference(case):
     layer = lambda: jnp.asarray(rng.standard_normal((b, s, kv, d)), dtype)  # noqa: E731
     cache = KVCache(tuple(layer() for _ in range(layers)), tuple(layer() for _ in range(layers)), lengths)
     before = jax.tree.map(lambda x: np.array(x, copy=True), cache)
-    ref_acc, ref_cache = accept_commit_reference(tree, choice, cache, max_depth=depth)
+    # jitted (as accept_commit is): one compile instead of one per eager op
+    ref_acc, ref_cache = jax.jit(accept_commit_reference, static_argnames="max_depth")(tree, choice, cache,
+                                                                                        max_depth=depth)
     acc, out = accept_commit(tree, choice, jax.tree.map(lambda x: jnp.array(x, copy=True), cache), max_depth=depth,
                              layers_in_flight=in_flight, interpret=interpret(), poison=True)
     msg = f"seed {seed}"
