@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import weaver_jax
 from weaver_jax import KVCache, Sampling
@@ -14,18 +15,25 @@ from weaver_jax._sampling import select
 from .conftest import make_pair
 
 
-def plain_greedy(target, prompt: list[int], n: int) -> list[int]:
+def plain_greedy(target, prompt: list[int], n: int, width: int = 32) -> list[int]:
     """Recompute the whole sequence every step (no cache reuse) and take the argmax. The sequence
-    is zero-padded to its final length: under the causal mask padding after a token cannot
-    change that token's logits, and one shape means one compilation."""
+    is zero-padded to `width` (every prompt's: at least its final length): under the causal mask
+    padding after a token cannot change that token's logits, and one shape means one compilation."""
     total = len(prompt) + n
-    seq = np.zeros(total, np.int32)
+    assert total <= width
+    seq = np.zeros(width, np.int32)
     seq[: len(prompt)] = prompt
-    cache = KVCache.init(target.config, 1, total)
+    cache = KVCache.init(target.config, 1, width)
     for t in range(len(prompt), total):
-        logits = target(jnp.asarray(seq[None]), jnp.arange(total)[None], cache).logits[0, t - 1]
-        seq[t] = int(jnp.argmax(logits))
-    return seq[len(prompt):].tolist()
+        seq[t] = int(_forward_argmax(target, jnp.asarray(seq[None]), cache)[t - 1])
+    return seq[len(prompt):total].tolist()
+
+
+@nnx.jit
+def _forward_argmax(target, ids, cache):
+    """The argmax after every position of one whole-sequence forward (jitted: one compile per model
+    and length instead of one per eager op)."""
+    return jnp.argmax(target(ids, jnp.arange(ids.shape[1])[None], cache).logits[0], -1)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
