@@ -44,8 +44,8 @@ def test_kernels_build_the_xla_tree(case):
     options = dict(budget=budget, children=children, root_children=root_children, expansions=expansions,
                    pool_size=pool)
     tables = adapter.tables(target)
-    with kernel_scope(()):
-        want = weaver_tree(adapter, tables, **inputs, **options)
+    with kernel_scope(()):  # jitted like the kernels' search: one compile instead of one per eager op
+        want = jax.jit(lambda x: weaver_tree(adapter, tables, **x, **options))(inputs)
     with kernel_scope(("weaver_search",)):
         got = jax.jit(lambda x: weaver_tree(adapter, tables, **x, **options))(inputs)
     check_valid_tree(got, depth)
