@@ -119,6 +119,7 @@ def main():
         greedy, by_depth, sampled = (np.asarray(x, np.float64)
                                      for x in round_scores(*call, **static, coupled=not args.uncoupled))
         expected = by_depth.sum(1)
+        extra = {}
         if args.temperature > 0:
             extra = dict(temperature=args.temperature, coupled=not args.uncoupled, draws=args.draws,
                          sampled_tau=sampled.mean(), sampled_tau_se=sampled.std() / np.sqrt(len(sampled)))
@@ -128,7 +129,7 @@ def main():
                    greedy_tau_se=greedy.std() / np.sqrt(len(greedy)), expected_tau_t1=expected.mean(),
                    expected_tau_t1_se=expected.std() / np.sqrt(len(expected)),
                    expected_tau_t1_by_depth=by_depth.mean(0).round(4).tolist(), seconds=time.time() - t0,
-                   device=jax.devices()[0].device_kind, **(extra if args.temperature > 0 else {}))
+                   device=jax.devices()[0].device_kind, **extra)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

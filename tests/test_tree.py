@@ -1,5 +1,6 @@
 """Tree builders: shape invariants, and DDTree equals brute-force enumeration of the top prefixes."""
 
+import functools
 import itertools
 
 import jax
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weaver_jax._tree import Tree, chain, ddtree
+from weaver_jax._tree import Tree, batched_best_first, chain, ddtree, marginal_children
 
 
 def check_valid_tree(tree: Tree, max_depth: int):
@@ -61,6 +62,14 @@ def brute_force_top(logits: np.ndarray, budget: int, root_children: int | None =
 _ddtree = jax.jit(ddtree, static_argnums=2)
 
 
+@functools.partial(jax.jit, static_argnames=("pool", "budget", "children", "expansions", "max_depth", "root_children"))
+def _marginal_best_first(logits, *, pool, budget, children, expansions, max_depth, root_children=None):
+    """`batched_best_first` over the marginals' top-`pool` children of roots [1, 2] -> the tree."""
+    return batched_best_first(jnp.array([1, 2]), marginal_children(logits, pool), None, budget=budget,
+                              children=children, expansions=expansions, max_depth=max_depth,
+                              root_children=root_children)[0]
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), vocab=st.integers(2, 5), depth=st.integers(1, 3), budget=st.integers(1, 40))
 def test_ddtree_is_the_exact_top_budget(seed, vocab, depth, budget):
@@ -92,11 +101,10 @@ def test_chain_is_the_argmax_path():
 def test_extend_deepest_chains_the_argmax_below_the_first_deepest_node():
     """The tail hangs below the first node of the greatest depth, follows the marginals' argmax one
     level per node, and is padding past the drafter's depth."""
-    from weaver_jax._tree import batched_best_first, extend_deepest, marginal_children
+    from weaver_jax._tree import extend_deepest
 
     logits = jax.random.normal(jax.random.key(2), (2, 5, 30))
-    tree, _ = jax.jit(lambda x: batched_best_first(jnp.array([1, 2]), marginal_children(x, 3), None, budget=4,
-                                                   children=3, expansions=2, max_depth=5))(logits)
+    tree = _marginal_best_first(logits, pool=3, budget=4, children=3, expansions=2, max_depth=5)
     out = jax.jit(extend_deepest, static_argnums=2)(tree, logits, 4)
     check_valid_tree(out, 5)
     assert all(np.array_equal(np.asarray(a)[:, :5], np.asarray(b)) for a, b in zip(out, tree, strict=True))
@@ -166,15 +174,11 @@ def test_weaver_widens_the_root_by_default_only_when_sampling():
 
 def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
     """w = 1 and enough children per node is strict best-first: DDTree's exact top-budget set."""
-    from weaver_jax._tree import batched_best_first, marginal_children
-
     rng = np.random.default_rng(3)
     for vocab, depth, budget in [(4, 3, 20), (6, 4, 33), (50, 6, 64)]:
         logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
         c = min(budget, vocab)
-        tree, _ = jax.jit(lambda x, c=c, budget=budget, depth=depth: batched_best_first(
-            jnp.array([1, 2]), marginal_children(x, c), None, budget=budget, children=c, expansions=1,
-            max_depth=depth))(logits)
+        tree = _marginal_best_first(logits, pool=c, budget=budget, children=c, expansions=1, max_depth=depth)
         check_valid_tree(tree, depth)
         ref = _ddtree(jnp.array([1, 2]), logits, budget)
         for b in range(2):
@@ -184,14 +188,11 @@ def test_batched_best_first_with_one_expansion_per_call_is_ddtree():
 def test_batched_best_first_with_a_wider_root_is_its_exact_top():
     """One expansion per call with `root_children` first tokens and `children` below: exactly the
     best `budget` prefixes among those the widths allow (the root's slots before every node's)."""
-    from weaver_jax._tree import batched_best_first, marginal_children
-
     rng = np.random.default_rng(5)
     for vocab, depth, budget, root, c in [(6, 3, 20, 5, 2), (5, 3, 30, 1, 4), (7, 2, 12, 7, 1)]:
         logits = jnp.asarray(rng.standard_normal((2, depth, vocab)) * 2)
-        tree, _ = jax.jit(lambda x, c=c, budget=budget, depth=depth, root=root: batched_best_first(
-            jnp.array([1, 2]), marginal_children(x, max(root, c)), None, budget=budget, children=c, expansions=1,
-            max_depth=depth, root_children=root))(logits)
+        tree = _marginal_best_first(logits, pool=max(root, c), budget=budget, children=c, expansions=1,
+                                    max_depth=depth, root_children=root)
         check_valid_tree(tree, depth)
         for b in range(2):
             assert paths(tree, b) == brute_force_top(np.asarray(logits[b]), budget, root, c)
@@ -207,7 +208,7 @@ def test_batched_best_first_makes_valid_full_trees(seed, budget, children, root,
     """Any budget, children per node (and at the root) and default expansions: a valid tree with
     exactly `budget` nodes past the root whenever that many prefixes exist, in the static
     `search_calls` scorer calls (about budget / w)."""
-    from weaver_jax._tree import batched_best_first, marginal_children, search_calls
+    from weaver_jax._tree import search_calls
 
     vocab = 40
     logits = jnp.asarray(np.random.default_rng(seed).standard_normal((3, depth, vocab)))

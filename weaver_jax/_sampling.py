@@ -52,8 +52,9 @@ def filtered_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
         ordered = jnp.sort(logits, axis=-1, descending=True)
     else:
         return logits
-    keep = _top_p_keep(ordered, sampling.top_p) if sampling.top_p < 1 else jnp.ones(ordered.shape, bool)
-    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    if sampling.top_p < 1:
+        ordered = jnp.where(_top_p_keep(ordered, sampling.top_p), ordered, jnp.inf)
+    threshold = jnp.min(ordered, axis=-1, keepdims=True)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
