@@ -50,10 +50,11 @@ def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_l
     s = _speculative._prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
                               max_new_tokens)
     build = sampling if coupled else _speculative._GREEDY  # what the tree is built for
-    tree, ancestors, verify = _speculative._propose_and_verify(p, s, keys, build)
+    noise = _speculative.round_noise(p, s, keys, sampling)
+    tree, ancestors, verify = _speculative._propose_and_verify(p, s, noise, build)
     rows = jnp.arange(tree.tokens.shape[0])
     greedy = _speculative.walk_choices(tree, jnp.argmax(verify.logits, -1).astype(jnp.int32), p.depth, ancestors)
-    draws = _speculative.tree_choices(tree, verify.logits, keys, s.num_tokens, sampling)
+    draws = _speculative.depth_choices(tree, verify.logits, noise, sampling)
     sampled = _speculative.walk_choices(tree, draws, p.depth, ancestors)
     parent = jnp.maximum(tree.parent, 0)
     probs = jax.nn.softmax(verify.logits, -1)

@@ -12,7 +12,15 @@ import pytest
 
 from weaver_jax import KVCache, Sampling
 from weaver_jax._sampling import select
-from weaver_jax._speculative import accept, accept_and_move, node_choices, node_steps, walk_choices
+from weaver_jax._speculative import (
+    accept,
+    accept_and_move,
+    depth_choices,
+    depth_noise,
+    node_choices,
+    node_steps,
+    walk_choices,
+)
 from weaver_jax._tree import Tree
 from weaver_jax.pallas_kernels import interpret, kernel_scope
 from weaver_jax.pallas_kernels.accept_commit import accept_commit, accept_commit_reference
@@ -105,7 +113,8 @@ def stepwise_walk(tree, choose, max_depth):
 def test_walk_equals_a_stepwise_walk(sampling):
     """The walk without a depth loop (`walk_choices`, `accept`) takes the path a step-by-step walk
     takes, drawing at each node it visits with the key of the generated token it is for (first step
-    + depth, as `ar` keys it); on fresh random trees whose siblings share tokens and with invalid nodes."""
+    + depth, as `ar` keys it); on fresh random trees whose siblings share tokens and with invalid nodes.
+    The per-depth noise of a round (`depth_choices`) draws what per-node draws do."""
     rng = np.random.default_rng()
     b, n, depth, vocab = 4, 33, 6, 3
     rows = jnp.arange(b)
@@ -123,6 +132,9 @@ def test_walk_equals_a_stepwise_walk(sampling):
             break
     assert max(want[1]) > 1  # some walk moves
     choice = node_choices(logits, keys, node_steps(tree, first), sampling)
+    # generate's rounds draw the noise once per depth and read it per node: the same draws
+    noise = None if sampling.greedy else depth_noise(keys, first, depth + 1, vocab)
+    np.testing.assert_array_equal(depth_choices(tree, logits, noise, sampling), choice)
     for got in (accept(tree, logits, keys, first, sampling, depth), walk_choices(tree, choice, depth),
                 walk_choices(tree, choice, depth, tree.ancestors())):
         for x, y in zip(got, want, strict=True):

@@ -25,7 +25,7 @@ from flax import nnx
 
 from weaver_jax._adapter import weaver_tree
 from weaver_jax._model import ForwardOutput, KVCache, _write
-from weaver_jax._sampling import Sampling, draw_noise, select
+from weaver_jax._sampling import Sampling, draw_noise, filtered_logits, select
 from weaver_jax._tree import Tree, chain, ddtree
 from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
 
@@ -143,11 +143,27 @@ def tree_choices(tree: Tree, logits: jax.Array, keys: jax.Array | None, first_st
 def node_choices(logits: jax.Array, keys: jax.Array, steps: jax.Array, sampling: Sampling) -> jax.Array:
     """The token the target draws at every node, `[B, N]`: its argmax, or a sample of the filtered
     distribution keyed by `steps [B, N]` (`node_steps`) - what the walk reads, and the acceptance
-    kernel too."""
+    kernel too. The plain reference of `depth_choices`."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.vmap(lambda node_logits, step: select(node_logits, keys, step, sampling), in_axes=(1, 1), out_axes=1)(
         logits, steps)
+
+
+def depth_noise(keys: jax.Array, first_step: jax.Array, depths: int, size: int) -> jax.Array:
+    """`[B, depths, size]`: the Gumbel noise (`draw_noise`) of the draws at depths 0 .. depths - 1 of a
+    round whose root draws generated token `first_step [B]` (`node_steps`). The nodes of one depth
+    share their draw's key, so a round draws its noise once per depth, not once per node."""
+    return jax.vmap(lambda t: draw_noise(keys, first_step + t, size), out_axes=1)(jnp.arange(depths))
+
+
+def depth_choices(tree: Tree, logits: jax.Array, noise: jax.Array | None, sampling: Sampling) -> jax.Array:
+    """`tree_choices` from the round's `depth_noise` `[B, >= max depth + 1, V]` (None when greedy): the
+    same tokens, with the noise drawn once per depth and read by each node at its depth."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    by_node = jnp.take_along_axis(noise, tree.depth[:, :, None], axis=1)  # [B, N, V]
+    return jnp.argmax(filtered_logits(logits, sampling) + by_node, axis=-1).astype(jnp.int32)
 
 
 def walk_choices(tree: Tree, choice: jax.Array, max_depth: int, ancestors: jax.Array | None = None) -> Acceptance:
@@ -298,11 +314,10 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
         histogram=jnp.zeros((b, p.depth + 2), jnp.int32))
 
 
-def coupled_drafts(marginal_logits: jax.Array, keys: jax.Array, first_step: jax.Array,
-                   sampling: Sampling) -> jax.Array:
+def coupled_drafts(marginal_logits: jax.Array, noise: jax.Array | None, sampling: Sampling) -> jax.Array:
     """The scores a tree is built from when the target samples: the drafter's logits `[B, K, V]` at the
     sampling temperature plus, at depth t + 1, the Gumbel noise of the target's draw that decides that
-    depth (`draw_noise` at step `first_step + t`, the draw at the depth-t node: `node_steps`). The
+    depth (the round's `depth_noise [B, >= K, V]` at depth t, the draw at the depth-t node). The
     target draws argmax(its filtered logits + that noise), so where the drafter's distribution is
     close to the target's, its perturbed argmax is the token the target will draw (1 - TV-like
     acceptance where unperturbed drafts get the target's probability of the drafter's argmax). The
@@ -310,22 +325,21 @@ def coupled_drafts(marginal_logits: jax.Array, keys: jax.Array, first_step: jax.
     for the seed; greedy decoding keeps the logits as they are."""
     if sampling.greedy:
         return marginal_logits
-    b, k, v = marginal_logits.shape
-    noise = jax.vmap(lambda t: draw_noise(keys, first_step + t, v), out_axes=1)(jnp.arange(k))
-    return marginal_logits.astype(jnp.float32) / sampling.temperature + noise
+    k = marginal_logits.shape[1]
+    return marginal_logits.astype(jnp.float32) / sampling.temperature + noise[:, :k]
 
 
-def _propose_and_verify(p: _Parts, s: SpecState, keys: jax.Array | None = None,
+def _propose_and_verify(p: _Parts, s: SpecState, noise: jax.Array | None = None,
                         sampling: Sampling = _GREEDY) -> tuple[Tree, jax.Array, ForwardOutput]:
-    """Draft, build the tree (from `coupled_drafts` when sampling: keys `[B]`) and run the target over
-    it (its K/V written past the prefix): -> (the tree, its ancestor table `[B, N, N]`, the target's
-    forward)."""
+    """Draft, build the tree (from `coupled_drafts` when sampling: the round's `depth_noise`) and run
+    the target over it (its K/V written past the prefix): -> (the tree, its ancestor table `[B, N, N]`,
+    the target's forward)."""
     # named scopes: the stages a profile of the round reports (bench/round_profile.py)
     with jax.named_scope("drafter"):
         marginals, states = p.drafter.propose(p.target, s.cache, s.root, s.drafter_cache, depth=p.depth)
         if marginals.shape[1] != p.depth:  # a tree deeper than the round expects would be walked wrongly
             raise ValueError(f"the drafter proposed {marginals.shape[1]} positions, the round asked for {p.depth}")
-        marginals = coupled_drafts(marginals, keys, s.num_tokens, sampling)
+        marginals = coupled_drafts(marginals, noise, sampling)
     with jax.named_scope("tree"):
         if p.method == "weaver":  # the adapter's prefix: the drafter states of all the depths it was made for
             tree = weaver_tree(p.adapter, p.tables, s.root, s.root_state, states[:, : p.opts["prefix"]], marginals,
@@ -341,16 +355,24 @@ def _propose_and_verify(p: _Parts, s: SpecState, keys: jax.Array | None = None,
     return tree, ancestors, verify
 
 
+def round_noise(p: _Parts, s: SpecState, keys: jax.Array, sampling: Sampling) -> jax.Array | None:
+    """The round's `depth_noise` `[B, depth + 1, V]` (None when greedy): the root's draw is for generated
+    token num_tokens, with the same keys as `ar` (`node_steps`)."""
+    if sampling.greedy:
+        return None
+    return depth_noise(keys, s.num_tokens, p.depth + 1, p.target.config.vocab_size)
+
+
 def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> tuple[SpecState, Tree, Acceptance]:
     """One round: draft, build the tree, verify, accept, commit. -> (state, the tree, its acceptance)."""
     b = s.root.shape[0]
     rows = jnp.arange(b)
     active = ~s.done
-    tree, ancestors, verify = _propose_and_verify(p, s, keys, sampling)
+    noise = round_noise(p, s, keys, sampling)
+    tree, ancestors, verify = _propose_and_verify(p, s, noise, sampling)
     with jax.named_scope("accept"):
-        # the root's draw is for generated token num_tokens: the same keys as `ar` (node_steps)
-        acc, moved = accept_and_move(tree, verify.logits, verify.cache, keys, s.num_tokens, sampling, p.depth,
-                                     ancestors=ancestors)
+        acc, moved = accept_and_move(tree, None, verify.cache, None, None, sampling, p.depth,
+                                     choice=depth_choices(tree, verify.logits, noise, sampling), ancestors=ancestors)
     path = acc.path
 
     new = jnp.take_along_axis(tree.tokens, path, axis=1)  # root first; shift: accepted then bonus
