@@ -207,11 +207,12 @@ while [ $# -gt 0 ]; do
       run=runs/$2; step=$(latest_step "$STAGE/$run") || exit 1
       pack "run-$2" "$run/$step" $(cd "$STAGE" && ls -d "$run"/*.json* 2>/dev/null); shift 2 ;;
     save-params)  # save-params KIND: the latest step's parameters (float32) + the run's log, for INIT=export/KIND-f32
-      run=runs/$2; step=$(latest_step "$STAGE/$run") || exit 1
-      rm -rf "$STAGE/export/$2-f32"
-      $W train-export "$2" "$STAGE/$run" "$STAGE/export/$2-f32" --step "$step" --export-dtype float32 || exit 1
-      echo "$step" > "$STAGE/export/$2-f32.step"  # the step a warm start continues from (INIT_STEP)
-      pack "params-$2" "export/$2-f32" "export/$2-f32.step" "$run/log.jsonl" "$run/module.json"; shift 2 ;;
+      # (with RUN=NAME: the side run runs/KIND-NAME, for INIT=export/KIND-NAME-f32)
+      name=$(run_name "$2"); run=runs/$name; step=$(latest_step "$STAGE/$run") || exit 1
+      rm -rf "$STAGE/export/$name-f32"
+      $W train-export "$2" "$STAGE/$run" "$STAGE/export/$name-f32" --step "$step" --export-dtype float32 || exit 1
+      echo "$step" > "$STAGE/export/$name-f32.step"  # the step a warm start continues from (INIT_STEP)
+      pack "params-$name" "export/$name-f32" "export/$name-f32.step" "$run/log.jsonl" "$run/module.json"; shift 2 ;;
     data)  # resumable: parts done stay (while warm); packed for carrying once complete
       need_gguf
       timeout $((560 - SECONDS)) $W train-data "$(prompts "${PROMPTS:-}")/prompts.json" "$STAGE/data" --model "$GGUF" \
