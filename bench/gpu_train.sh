@@ -203,9 +203,10 @@ while [ $# -gt 0 ]; do
     stage) stage || exit 1; shift ;;
     unpack) unpack; shift ;;
     send) shift ;;  # send runs at the end of every call
-    save-run)  # save-run KIND: runs/KIND with its latest checkpoint only (resume it in a later session)
-      run=runs/$2; step=$(latest_step "$STAGE/$run") || exit 1
-      pack "run-$2" "$run/$step" $(cd "$STAGE" && ls -d "$run"/*.json* 2>/dev/null); shift 2 ;;
+    save-run)  # save-run KIND: runs/KIND (RUN=NAME: runs/KIND-NAME) with its latest checkpoint only (resume it
+      # in a later session)
+      name=$(run_name "$2"); run=runs/$name; step=$(latest_step "$STAGE/$run") || exit 1
+      pack "run-$name" "$run/$step" $(cd "$STAGE" && ls -d "$run"/*.json* 2>/dev/null); shift 2 ;;
     save-params)  # save-params KIND: the latest step's parameters (float32) + the run's log, for INIT=export/KIND-f32
       # (with RUN=NAME: the side run runs/KIND-NAME, for INIT=export/KIND-NAME-f32)
       name=$(run_name "$2"); run=runs/$name; step=$(latest_step "$STAGE/$run") || exit 1

@@ -67,10 +67,15 @@ def draw_noise(keys: jax.Array, step: jax.Array, size: int) -> jax.Array:
     return jax.vmap(lambda key: jax.random.gumbel(key, (size,), jnp.float32))(step_keys)
 
 
+def choose(logits: jax.Array, noise: jax.Array | None, sampling: Sampling) -> jax.Array:
+    """logits `[..., V]` and the draws' Gumbel noise (`draw_noise`, same shape; None when greedy) ->
+    tokens `[...]` int32: the argmax, or the sample argmax(filtered logits + noise)."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.argmax(filtered_logits(logits, sampling) + noise, axis=-1).astype(jnp.int32)
+
+
 def select(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampling) -> jax.Array:
     """logits `[B, V]`, keys `[B]` (one per sequence), step scalar or `[B]` -> tokens `[B]` int32.
     The draw of sequence i uses `fold_in(keys[i], step[i])` (`draw_noise`)."""
-    if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    values = filtered_logits(logits, sampling)
-    return jnp.argmax(values + draw_noise(keys, step, values.shape[-1]), axis=-1).astype(jnp.int32)
+    return choose(logits, None if sampling.greedy else draw_noise(keys, step, logits.shape[-1]), sampling)

@@ -25,7 +25,7 @@ from flax import nnx
 
 from weaver_jax._adapter import weaver_tree
 from weaver_jax._model import ForwardOutput, KVCache, _write
-from weaver_jax._sampling import Sampling, draw_noise, filtered_logits, select
+from weaver_jax._sampling import Sampling, choose, draw_noise, select
 from weaver_jax._tree import Tree, chain, ddtree
 from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
 
@@ -160,10 +160,8 @@ def depth_noise(keys: jax.Array, first_step: jax.Array, depths: int, size: int) 
 def depth_choices(tree: Tree, logits: jax.Array, noise: jax.Array | None, sampling: Sampling) -> jax.Array:
     """`tree_choices` from the round's `depth_noise` `[B, >= max depth + 1, V]` (None when greedy): the
     same tokens, with the noise drawn once per depth and read by each node at its depth."""
-    if sampling.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    by_node = jnp.take_along_axis(noise, tree.depth[:, :, None], axis=1)  # [B, N, V]
-    return jnp.argmax(filtered_logits(logits, sampling) + by_node, axis=-1).astype(jnp.int32)
+    by_node = None if sampling.greedy else jnp.take_along_axis(noise, tree.depth[:, :, None], axis=1)  # [B, N, V]
+    return choose(logits, by_node, sampling)
 
 
 def walk_choices(tree: Tree, choice: jax.Array, max_depth: int, ancestors: jax.Array | None = None) -> Acceptance:
