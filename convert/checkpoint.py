@@ -4,7 +4,8 @@
                           "config": {...ModelConfig, HybridConfig, DrafterConfig or AdapterConfig...},
                           "architecture": "hybrid" for a Qwen3.5 target (absent otherwise)}
     DST/params/          orbax checkpoint of the module's parameters, names as `flatten_params`
-    DST/tokenizer.json   the tokenizer's vocabulary, merges and chat template, when the source had one
+    DST/tokenizer.json, tokenizer_config.json, generation_config.json
+                         the tokenizer in Hugging Face's files (`Tokenizer.save`), when the source had one
 
 Writing goes to a temporary sibling directory renamed into place at the end, so a failed
 conversion never leaves a half-written DST.
@@ -69,7 +70,7 @@ def save(dst: str | Path, module: Transformer | HybridTransformer | Drafter | Ad
             config["architecture"] = HYBRID
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         if tokenizer is not None:
-            (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.spec))
+            tokenizer.save(tmp)
         tmp.rename(dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -115,6 +116,4 @@ def load(path: str | Path, dtype: str | None = None) -> tuple[Transformer | Draf
             raise ValueError(f"{path}: the stored parameters do not match its {meta['kind']} config: {e}") from e
     module = module_from_params(lambda: cls(config, rngs=nnx.Rngs(0)), config.dtype,
                                 {k: np.asarray(v) for k, v in params.items()})
-    tokenizer_file = path / "tokenizer.json"
-    tokenizer = Tokenizer.from_spec(json.loads(tokenizer_file.read_text())) if tokenizer_file.exists() else None
-    return module, tokenizer
+    return module, Tokenizer.from_directory(path)

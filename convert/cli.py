@@ -30,6 +30,7 @@ def convert_target(src: Path, dst: Path, dtype: str) -> str:
     tokenizer = None
     if src.is_dir():
         target = hf.load_hf_target(src, dtype, progress=True)
+        tokenizer = Tokenizer.from_directory(src)
     elif src.exists():
         target = gguf.load_gguf_target(src, dtype, progress=True)
         metadata = gguf.open_gguf(src).metadata

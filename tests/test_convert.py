@@ -53,7 +53,7 @@ def test_convert_smollm2_gguf_matches_the_named_model(tmp_path):
     assert converted.tokenizer.encode(text) == named.tokenizer.encode(text)
     msgs = [{"role": "user", "content": "Hi"}]
     assert converted.tokenizer.apply_chat_template(msgs) == named.tokenizer.apply_chat_template(msgs)
-    assert converted.eos_token_ids == named.eos_token_ids == (2,)
+    assert converted.eos_token_ids == named.eos_token_ids == (2, 0)
 
 
 def broken_copy(tmp_path, edit_config=None, edit_tensors=None, truncate=False):

@@ -1,6 +1,7 @@
 """Weights from Hugging Face transformers (fixtures made by tests/fixtures/make_fixtures.py) and
 from GGUF files: converted models reproduce the reference logits."""
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -11,7 +12,6 @@ import pytest
 
 import weaver_jax
 from weaver_jax import KVCache
-from weaver_jax._tokenizer import Tokenizer
 from weaver_jax.convert import gguf as gguf_convert
 
 from . import reference
@@ -135,13 +135,16 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
     texts = json.loads((FIXTURES / "smollm2_texts.json").read_text())
     tok = smollm2.tokenizer
     for i, text in enumerate(texts["texts"]):
-        assert tok.encode(text) == ref[f"text{i}_ids"].tolist(), text
+        assert tok.encode(text) == ref[f"text{i}_ids"].tolist(), text  # the file asks for no BOS
         assert tok.decode(tok.encode(text)) == text
     for _ in range(2):  # the second render reuses the compiled template
         assert tok.apply_chat_template(texts["messages"]) == ref["chat_ids"].tolist()
+    untemplated = copy.copy(tok)
+    untemplated.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
-        Tokenizer.from_spec({**tok.spec, "chat_template": None}).apply_chat_template(texts["messages"])
-    assert smollm2.eos_token_ids == (2,) and tok.decode([2]) == "<|im_end|>"
+        untemplated.apply_chat_template(texts["messages"])
+    # <|im_end|>, then <|endoftext|>: llama.cpp ends generation at both
+    assert smollm2.eos_token_ids == (2, 0) and tok.decode([2, 0]) == "<|im_end|><|endoftext|>"
 
 
 def test_smollm2_greedy_answer(smollm2):

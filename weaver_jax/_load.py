@@ -113,8 +113,11 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: 
 
 
 def check_bundle(bundle: Bundle) -> None:
-    """Target, drafter and adapter belong together: vocabulary, widths, layer ids, depth, pool."""
+    """Target, tokenizer, drafter and adapter belong together: vocabulary, widths, layer ids, depth, pool."""
     target = bundle.config
+    if bundle.tokenizer is not None and bundle.tokenizer.vocab_size > target.vocab_size:
+        raise ValueError(f"the tokenizer has {bundle.tokenizer.vocab_size} tokens but the target's vocabulary holds "
+                         f"{target.vocab_size}: they do not belong together")
     if bundle.drafter is not None:
         bundle.drafter.config.check_target(target)
     if bundle.adapter is not None:
@@ -180,7 +183,8 @@ def _load_target(name_or_path, dtype: str | None) -> Bundle:
                 raise ValueError(f"{path} holds a {checkpoint.kind_of(path)} checkpoint; pass it as drafter=")
             target, tokenizer = checkpoint.load(path, requested_dtype)
             return Bundle(target, tokenizer, eos_token_ids=_eos_ids(tokenizer), name=name)
-        return Bundle(hf.load_hf_target(path, dtype), name=name)
+        tokenizer = Tokenizer.from_directory(path)
+        return Bundle(hf.load_hf_target(path, dtype), tokenizer, eos_token_ids=_eos_ids(tokenizer), name=name)
     f = gguf.open_gguf(path)
     gguf.config_from_gguf(f)  # fails early on an unsupported architecture
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata) if "tokenizer.ggml.tokens" in f.metadata else None
@@ -188,4 +192,4 @@ def _load_target(name_or_path, dtype: str | None) -> Bundle:
 
 
 def _eos_ids(tokenizer: Tokenizer | None) -> tuple[int, ...]:
-    return () if tokenizer is None or tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    return () if tokenizer is None else tokenizer.eos_token_ids

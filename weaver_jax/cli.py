@@ -104,8 +104,7 @@ def _mask_token_id(bundle) -> int:
     tok = bundle.tokenizer
     if tok is None:
         return bundle.config.vocab_size - 1
-    specials = [i for i, kind in enumerate(tok.spec["token_types"])
-                if kind == 3 and i not in (tok.bos_token_id, tok.eos_token_id)]
+    specials = [i for i in tok.special_ids if i != tok.bos_token_id and i not in tok.eos_token_ids]
     return max(specials) if specials else bundle.config.vocab_size - 1
 
 
