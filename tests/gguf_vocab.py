@@ -7,7 +7,6 @@ other added tokens as user defined, the merges as "left right" strings.
 """
 
 import gzip
-import json
 import shutil
 from pathlib import Path
 
@@ -74,7 +73,3 @@ def gunzip(src: Path, dst: Path) -> Path:
     with gzip.open(src, "rb") as f, open(dst, "wb") as out:
         shutil.copyfileobj(f, out)
     return dst
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -93,6 +93,9 @@ def test_gguf_round_trip_matches_reference(tmp_path, name, arch):
         cfg = cfg.replace(rope_scaling=None)
     path = tmp_path / "tiny.gguf"
     write_gguf(path, cfg, weights, arch)
+    f = gguf_convert.open_gguf(path)  # the fast header walk reads what gguf's reader reads
+    assert f.metadata == {k: v.contents() for k, v in f.reader.fields.items() if not k.startswith("GGUF.")}
+    assert f.tensor_shapes == {t.name: tuple(int(d) for d in t.shape) for t in f.reader.tensors}
     target = gguf_convert.load_gguf_target(path)
     assert target.config.tie_embeddings == cfg.tie_embeddings and target.config.qkv_bias == cfg.qkv_bias
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 10))

@@ -90,7 +90,8 @@ def _cached_gguf_target(path: Path, dtype: str) -> Transformer:
 def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: str | os.PathLike | None = None,
          adapter: str | os.PathLike | None = None) -> Bundle:
     """Load a named model (`"smollm2-135m-instruct"`), a checkpoint written by `weaver-convert`, a
-    `.gguf` file, or a Hugging Face directory; with `drafter` / `adapter`, also a drafter (a
+    `.gguf` file, or a Hugging Face directory, each with its tokenizer where it has one (`.tokenizer`, and its EOS
+    ids as `.eos_token_ids`); with `drafter` / `adapter`, also a drafter (a
     `weaver-convert drafter` checkpoint, a DFlash directory, or a trained one) and a Weaver adapter
     (a checkpoint, or a published `{config, state_dict}` torch file), checked together for
     consistency (vocabulary, widths, target layer ids, depth, pool). A named model comes with the drafter and adapter
