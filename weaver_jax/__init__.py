@@ -1,6 +1,6 @@
 """weaver_jax: lossless speculative decoding for JAX with Weaver trees.
 
-Public API: `load`, `generate` (host wrapper), the pure jitted `ar_generate` and
+Public API: `load`, `shard` (a bundle over a device mesh), `generate` (host wrapper), the pure jitted `ar_generate` and
 `spec_generate`, the modules `Transformer`, `HybridTransformer` (Qwen3.5 Gated DeltaNet hybrids),
 `Drafter`, `Adapter` with their configs, `KVCache` and `HybridCache`,
 `Tree`, `Sampling`; `weaver_jax.testing` builds random models.
@@ -14,6 +14,7 @@ from weaver_jax._hybrid import HybridCache, HybridConfig, HybridTransformer
 from weaver_jax._load import Bundle, load
 from weaver_jax._model import ForwardOutput, KVCache, Transformer, target_from_params
 from weaver_jax._sampling import Sampling
+from weaver_jax._sharding import shard
 from weaver_jax._speculative import SpecOutput, spec_generate
 from weaver_jax._tokenizer import Tokenizer
 from weaver_jax._tree import Tree
@@ -22,7 +23,8 @@ __all__ = [
     "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig", "ForwardOutput", "GenerateResult",
     "HybridCache", "HybridConfig", "HybridTransformer", "KVCache", "ModelConfig", "RopeScaling", "Sampling",
     "SpecOutput", "Tokenizer", "Transformer", "Tree",
-    "ar_generate", "generate", "load", "proposal_tree", "qwen3_8b", "sequence_keys", "smollm2_135m", "spec_generate",
+    "ar_generate", "generate", "load", "proposal_tree", "qwen3_8b", "sequence_keys", "shard", "smollm2_135m",
+    "spec_generate",
     "target_from_params",
 ]
 from weaver_jax import testing  # noqa: E402, F401  (weaver_jax.testing.random_bundle)

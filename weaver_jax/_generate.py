@@ -200,6 +200,15 @@ def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool)
     return options, nodes
 
 
+def _on_mesh(mesh, x):
+    """A cache or a per-sequence input `[B, ...]` placed over a bundle's mesh (as it is without one)."""
+    if mesh is None:
+        return x
+    from weaver_jax._sharding import batch_sharding, cache_sharding
+
+    return jax.device_put(x, cache_sharding(mesh, x) if isinstance(x, KVCache) else batch_sharding(mesh, np.ndim(x)))
+
+
 def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
              method_options, round_only=False, pad_to=None, exact=False):
     """Validation, padding and the jitted function's arguments: -> (fn, static, args)."""
@@ -231,26 +240,31 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
         padded_len = int(pad_to)
     else:
         raise ValueError(f"pad_to must be an integer >= the longest prompt ({longest} tokens), got {pad_to!r}")
+    keys = sequence_keys(seed, len(prompts))
+    if bundle.mesh is not None:  # a batch split over `data`: filled up with copies of the first sequence, key
+        # included, which end when it ends (so the loop runs no longer); `generate` drops them
+        extra = -len(prompts) % bundle.mesh.shape["data"]
+        prompts, keys = prompts + [prompts[0]] * extra, jnp.concatenate([keys, jnp.repeat(keys[:1], extra)])
     batch = np.zeros((len(prompts), padded_len), np.int32)
     for i, p in enumerate(prompts):
         batch[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    keys = sequence_keys(seed, len(prompts))
     graphdef, params = nnx.split(bundle.target)
     static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids,
                   kernels=enabled_kernels(), exact=exact)
+    placed = functools.partial(_on_mesh, bundle.mesh)
     if method == "ar":
         size = _round_up(padded_len + max_new_tokens, 128)
-        fn, args = ar_generate, [params, bundle.target.init_cache(len(prompts), size)]
+        fn, args = ar_generate, [params, placed(bundle.target.init_cache(len(prompts), size))]
     else:
         drafter_graphdef, drafter_params = nnx.split(bundle.drafter)
         static.update(drafter_graphdef=drafter_graphdef, method=method, options=tuple(sorted(options.items())))
         size = _round_up(padded_len + max_new_tokens + nodes, 128)
         dsize = _round_up(padded_len + max_new_tokens + bundle.drafter.config.block_size, 128)
         fn = spec_first_round if round_only else spec_generate
-        args = [params, drafter_params, bundle.target.init_cache(len(prompts), size),
-                bundle.drafter.init_cache(len(prompts), dsize)]
-    args += [batch, lengths, keys]
+        args = [params, drafter_params, placed(bundle.target.init_cache(len(prompts), size)),
+                placed(bundle.drafter.init_cache(len(prompts), dsize))]
+    args += [placed(a) for a in (batch, lengths, keys)]
     if method == "weaver":
         adapter_graphdef, adapter_params = nnx.split(bundle.adapter)
         static.update(adapter_graphdef=adapter_graphdef)
@@ -292,17 +306,18 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     out = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - t1
 
-    counts = np.asarray(out.num_tokens)
-    tokens = np.asarray(out.tokens)
+    real = len(prompts)  # a sharded bundle's batch may hold copies past them
+    counts = np.asarray(out.num_tokens)[:real]
+    tokens = np.asarray(out.tokens)[:real]
     new_tokens = int(counts.sum())
     stats = dict(rounds=int(out.rounds), new_tokens=new_tokens, seconds=seconds,
                  tokens_per_second=new_tokens / seconds, compile_seconds=t1 - t0)
     if method != "ar":
-        per_sequence = np.asarray(out.histogram)  # [B, K + 2]: rounds by tokens emitted
+        per_sequence = np.asarray(out.histogram)[:real]  # [B, K + 2]: rounds by tokens emitted
         histogram = per_sequence.sum(0)
-        verifications = int(np.asarray(out.seq_rounds).sum())
+        verifications = int(np.asarray(out.seq_rounds)[:real].sum())
         # per prompt, so that tau can be pooled over any subset of a batch
-        stats["sequence_verifications"] = np.asarray(out.seq_rounds).tolist()
+        stats["sequence_verifications"] = np.asarray(out.seq_rounds)[:real].tolist()
         stats["sequence_accepted_tokens"] = (per_sequence * np.arange(per_sequence.shape[1])).sum(1).tolist()
         # tau: tokens emitted per verification, bonus included (the prefill's first token excluded)
         stats["mean_accepted_length"] = float((histogram * np.arange(len(histogram))).sum() / max(verifications, 1))

@@ -30,6 +30,7 @@ class Bundle:
     adapter: object | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    mesh: jax.sharding.Mesh | None = None  # where `weaver_jax.shard` placed the parts (None: one device)
 
     @property
     def config(self) -> ModelConfig:
@@ -88,7 +89,7 @@ def _cached_gguf_target(path: Path, dtype: str) -> Transformer:
 
 
 def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: str | os.PathLike | None = None,
-         adapter: str | os.PathLike | None = None) -> Bundle:
+         adapter: str | os.PathLike | None = None, mesh: jax.sharding.Mesh | None = None) -> Bundle:
     """Load a named model (`"smollm2-135m-instruct"`), a checkpoint written by `weaver-convert`, a
     `.gguf` file, or a Hugging Face directory, each with its tokenizer where it has one (`.tokenizer`, and its EOS
     ids as `.eos_token_ids`); with `drafter` / `adapter`, also a drafter (a
@@ -98,7 +99,8 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: 
     shipped for it unless others are given.
 
     dtype: parameter dtype, "float32" or "bfloat16"; default: a checkpoint's own, else float32 on
-    CPU and bfloat16 on GPU.
+    CPU and bfloat16 on GPU. mesh: a `jax.sharding.Mesh` with axes ("data", "model"): the bundle is
+    `weaver_jax.shard`ed over it.
     """
     if str(name_or_path) in NAMED_MODELS:
         drafter = drafter if drafter is not None else _shipped(str(name_or_path), "drafter")
@@ -110,6 +112,10 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: 
     if adapter is not None:
         bundle.adapter = _load_part(Path(adapter), "adapter", part_dtype, bundle.config)
     check_bundle(bundle)
+    if mesh is not None:
+        from weaver_jax._sharding import shard
+
+        bundle = shard(bundle, mesh)
     return bundle
 
 

@@ -135,12 +135,12 @@ def causal_attend(batch: int, t: int) -> jax.Array:
 
 def _write(cache_layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
     """Write new `[B, T, H, D]` at slots `[lengths, lengths + T)` of each sequence; slots past the
-    cache are dropped (never shifted). One scatter of T rows: a vmapped dynamic_update_slice became
-    a dynamic slice, a select and an update per write on a GPU (BENCHMARKS.md)."""
-    b, t = new.shape[:2]
-    slots = lengths[:, None] + jnp.arange(t)
-    return cache_layer.at[jnp.arange(b)[:, None], slots].set(new, mode="drop", indices_are_sorted=True,
-                                                             unique_indices=True)
+    cache are dropped (never shifted). One scatter of T rows per sequence, the batch a batching dimension of
+    the scatter (so a batch split over devices stays split): a vmapped dynamic_update_slice became a dynamic
+    slice, a select and an update per write on a GPU (BENCHMARKS.md)."""
+    slots = lengths[:, None] + jnp.arange(new.shape[1])
+    return jax.vmap(lambda c, n, s: c.at[s].set(n, mode="drop", indices_are_sorted=True, unique_indices=True))(
+        cache_layer, new, slots)
 
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -151,11 +151,31 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
 
 
+def group_columns(w: jax.Array, segments: tuple[int, ...], groups: int) -> jax.Array:
+    """A fused projection's last axis, the concatenation of `segments` (q | k | v, gate | up), reordered so that
+    each of `groups` equal blocks holds its share of every segment: [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]. Sharded
+    over `groups` devices, a block is one device's heads / features whole (`weaver_jax.shard`)."""
+    parts = jnp.split(w, np.cumsum(segments)[:-1], axis=-1)
+    return jnp.concatenate([jnp.split(p, groups, axis=-1)[g] for g in range(groups) for p in parts], axis=-1)
+
+
+def split_grouped(y: jax.Array, segments: tuple[int, ...], groups: int) -> list[jax.Array]:
+    """The segments of `y [..., sum(segments)]` whose last axis is in `group_columns` order, each in its original
+    order (`groups` 1: a plain split). Local to a device when that axis is sharded over `groups`."""
+    y = y.reshape(*y.shape[:-1], groups, -1)
+    bounds = np.cumsum([0, *(s // groups for s in segments)])
+    return [y[..., a:b].reshape(*y.shape[:-2], -1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
 def _param(rngs: nnx.Rngs, shape, dtype, fan_in: int) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype))
 
 
 class Attention(nnx.Module):
+    # How many blocks `qkv`'s columns are grouped in (`group_columns`): 1, or the `model` axis of a mesh the
+    # module is sharded over (`weaver_jax.shard`), so that each device holds its heads' q, k and v whole.
+    groups: int = 1
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -167,6 +187,11 @@ class Attention(nnx.Module):
         self.k_norm = nnx.Param(jnp.ones((c.head_dim,), dt)) if c.qk_norm else None
         self.out = _param(rngs, (c.num_heads * c.head_dim, c.hidden_size), dt, c.num_heads * c.head_dim)
 
+    def fused(self) -> dict[str, tuple[int, ...]]:
+        """The fused parameters and their segments (what `group_columns` reorders)."""
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        return {name: (h * d, kv * d, kv * d) for name in ("qkv", "qkv_bias") if getattr(self, name) is not None}
+
     def project(self, x, positions, inv_freq, exact: bool = False):
         """x `[B, T, D]` -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
         b, t, _ = x.shape
@@ -174,9 +199,8 @@ class Attention(nnx.Module):
         qkv = dense(x, self.qkv[...], exact)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
-        q = qkv[..., : h * d].reshape(b, t, h, d)
-        k = qkv[..., h * d : (h + kv) * d].reshape(b, t, kv, d)
-        v = qkv[..., (h + kv) * d :].reshape(b, t, kv, d)
+        q, k, v = split_grouped(qkv, self.fused()["qkv"], self.groups)
+        q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kv, d), v.reshape(b, t, kv, d)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm[...], self.eps, exact=exact), rms_norm(k, self.k_norm[...], self.eps,
                                                                                    exact=exact)
@@ -214,6 +238,8 @@ def _value(param: nnx.Param | None):
 
 
 class MLP(nnx.Module):
+    groups: int = 1  # as Attention's, for `gate_up`
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, bias: bool = False):
         c, dt = config, config.jnp_dtype
         self.gate_up = _param(rngs, (c.hidden_size, 2 * c.intermediate_size), dt, c.hidden_size)
@@ -221,9 +247,14 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (c.intermediate_size, c.hidden_size), dt, c.intermediate_size)
         self.down_bias = _bias((c.hidden_size,), dt, bias)
 
+    def fused(self) -> dict[str, tuple[int, ...]]:
+        f = self.down.shape[0]
+        return {name: (f, f) for name in ("gate_up", "gate_up_bias") if getattr(self, name) is not None}
+
     def __call__(self, x, exact: bool = False):
         h = dense(x, self.gate_up[...], exact)
-        gate, up = jnp.split(h if self.gate_up_bias is None else h + self.gate_up_bias[...], 2, axis=-1)
+        h = h if self.gate_up_bias is None else h + self.gate_up_bias[...]
+        gate, up = split_grouped(h, self.fused()["gate_up"], self.groups)
         y = dense(jax.nn.silu(gate) * up, self.down[...], exact)
         return y if self.down_bias is None else y + self.down_bias[...]
 
@@ -397,8 +428,15 @@ def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_la
 
 
 def module_params(module: nnx.Module) -> dict:
-    """A module's parameters as flat `{"layers.0.attn.qkv": array}` (the checkpoint layout)."""
-    return flatten_params(nnx.to_pure_dict(nnx.state(module)))
+    """A module's parameters as flat `{"layers.0.attn.qkv": array}` (the checkpoint layout; a sharded module's
+    fused columns back in order)."""
+    params = flatten_params(nnx.to_pure_dict(nnx.state(module)))
+    for path, sub in nnx.iter_graph(module):
+        if isinstance(sub, Attention | MLP) and sub.groups > 1:
+            for name, segments in sub.fused().items():
+                key = ".".join(map(str, (*path, name)))
+                params[key] = jnp.concatenate(split_grouped(params[key], segments, sub.groups), axis=-1)
+    return params
 
 
 def flatten_params(tree, prefix: str = "") -> dict:

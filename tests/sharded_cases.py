@@ -1,0 +1,116 @@
+"""Sharded bundles on 8 fake CPU devices; run by test_sharding.py in its own process (the device count is fixed
+when jax starts): `python -m tests.sharded_cases`. Each case asserts; the first failure ends the run non-zero."""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import weaver_jax  # noqa: E402
+from weaver_jax import _generate  # noqa: E402
+from weaver_jax._model import module_params  # noqa: E402
+from weaver_jax._sharding import check_rules  # noqa: E402
+from weaver_jax.testing import random_bundle  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")  # float32 products in full, as the suite's
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]  # ragged, and 3 rows: padded over `data`
+BUNDLE = random_bundle(0, num_heads=8, num_kv_heads=4, intermediate_size=128, eos_token_ids=(5,))
+
+
+def mesh(data: int, model: int):
+    return jax.make_mesh((data, model), ("data", "model"), devices=jax.devices()[: data * model])
+
+
+def tokens(bundle, method, **options):
+    if method in ("ddtree", "weaver"):
+        options.setdefault("budget", 8)
+    return weaver_jax.generate(bundle, PROMPTS, method=method, max_new_tokens=10, **options).tokens
+
+
+def check(condition, what):
+    if not condition:
+        raise AssertionError(what)
+    print("ok", what, flush=True)
+
+
+def greedy_equals_unsharded():
+    """Every method's greedy tokens on each mesh are the unsharded bundle's (float32)."""
+    cases = {(1, 1): ["ar"], (2, 1): ["ar", "weaver"], (1, 2): ["ar", "dflash", "ddtree", "weaver"],
+             (2, 2): ["ar", "weaver"], (2, 4): ["ar", "weaver"]}
+    reference = {m: tokens(BUNDLE, m) for m in ("ar", "dflash", "ddtree", "weaver")}
+    for shape, methods in cases.items():
+        # the drafter's 2 KV heads do not divide over 4 devices: replicated there, as a user would
+        replicate = ("drafter", "adapter") if shape[1] > 2 else ("adapter",)
+        sharded = weaver_jax.shard(BUNDLE, mesh(*shape), replicate=replicate)
+        for m in methods:
+            check(tokens(sharded, m) == reference[m], f"{m} greedy {shape}")
+
+
+def sampled_is_seed_identical():
+    """Sampled: the sharded bundle draws what the unsharded one draws, and every method what `ar` draws."""
+    sharded = weaver_jax.shard(BUNDLE, mesh(2, 2))
+    ar = tokens(BUNDLE, "ar", temperature=1.0, seed=3)
+    check(tokens(sharded, "ar", temperature=1.0, seed=3) == ar, "ar sampled (2, 2) equals unsharded")
+    check(tokens(sharded, "weaver", temperature=1.0, seed=3) == ar, "weaver sampled (2, 2) equals ar")
+
+
+def exact_is_bitwise_ar():
+    """exact=True on a sharded bfloat16 bundle: every method bitwise its own `ar`."""
+    bf16 = random_bundle(1, num_heads=8, num_kv_heads=4, intermediate_size=128, dtype="bfloat16")
+    sharded = weaver_jax.shard(bf16, mesh(1, 2))
+    ar = tokens(sharded, "ar", exact=True)
+    check(tokens(sharded, "weaver", exact=True) == ar, "exact weaver (1, 2) bitwise ar")
+
+
+def no_weight_is_gathered():
+    """The compiled decode holds no all-gather whose result is a whole weight matrix: each device multiplies by
+    its own columns / rows, and XLA all-reduces activations."""
+    sharded = weaver_jax.shard(BUNDLE, mesh(2, 2))
+    weights = {tuple(w.shape) for m in (BUNDLE.target, BUNDLE.drafter) for w in module_params(m).values()
+               if w.ndim == 2}
+    for method in ("ar", "weaver"):
+        fn, static, args = _generate._prepare(sharded, PROMPTS, method, 10, 0.0, 0, 1.0, 0, None,
+                                              {} if method == "ar" else {"budget": 8})
+        hlo = fn.lower(*args, **static).compile().as_text()
+        gathered = {tuple(int(d) for d in dims.split(",")) for dims in
+                    re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)}
+        check(not gathered & weights, f"{method}: no weight all-gathered ({sorted(gathered & weights)})")
+        check(len(re.findall(r" all-reduce\(", hlo)) > 0, f"{method}: tensor parallel (all-reduces present)")
+
+
+def layout_and_errors():
+    sharded = weaver_jax.shard(BUNDLE, mesh(2, 2))
+    qkv = sharded.target.layers[0].attn.qkv[...]
+    check(qkv.sharding.spec == jax.sharding.PartitionSpec(None, "model"), "qkv split over model by columns")
+    same = all(np.array_equal(a, module_params(BUNDLE.target)[k]) for k, a in module_params(sharded.target).items())
+    check(same, "module_params of a sharded target is the unsharded layout (checkpoints unchanged)")
+    resharded = weaver_jax.shard(sharded, mesh(1, 4), replicate=("drafter", "adapter"))
+    check(tokens(resharded, "ar") == tokens(BUNDLE, "ar"), "a sharded bundle resharded to (1, 4)")
+    for call, message in [
+        (lambda: weaver_jax.shard(BUNDLE, mesh(1, 8)), "target layers.0.attn.qkv: 4 KV heads do not divide over "
+                                                      "the mesh's 'model' axis of 8 devices"),
+        (lambda: weaver_jax.shard(BUNDLE, mesh(1, 4)), "drafter layers.0.attn.qkv: 2 KV heads"),
+        (lambda: weaver_jax.shard(BUNDLE, jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])),
+         "a mesh with axes ('data', 'model')"),
+        (lambda: check_rules({"attn.out": ("heads", "ffn")}), "attn.out: two dimensions on one mesh axis"),
+    ]:
+        try:
+            call()
+        except ValueError as e:
+            check(message in str(e), f"error names the problem: {e}")
+        else:
+            raise AssertionError(f"no error: expected {message!r}")
+
+
+if __name__ == "__main__":
+    check(jax.device_count() == 8, "8 fake devices")
+    for case in (layout_and_errors, greedy_equals_unsharded, sampled_is_seed_identical, no_weight_is_gathered,
+                 exact_is_bitwise_ar):
+        case()
+    print("all sharded cases passed")
