@@ -7,6 +7,7 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_forc
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import re  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,8 +42,8 @@ def check(condition, what):
 
 def greedy_equals_unsharded():
     """Every method's greedy tokens on each mesh are the unsharded bundle's (float32)."""
-    cases = {(1, 1): ["ar"], (2, 1): ["ar", "weaver"], (1, 2): ["ar", "dflash", "ddtree", "weaver"],
-             (2, 2): ["ar", "weaver"], (2, 4): ["ar", "weaver"]}
+    # (2, 2) runs in the sampled and HLO cases; (1, 8) does not divide this target's 4 KV heads (layout_and_errors)
+    cases = {(1, 1): ["ar"], (2, 1): ["weaver"], (1, 2): ["dflash", "ddtree", "weaver"], (2, 4): ["ar", "weaver"]}
     reference = {m: tokens(BUNDLE, m) for m in ("ar", "dflash", "ddtree", "weaver")}
     for shape, methods in cases.items():
         # the drafter's 2 KV heads do not divide over 4 devices: replicated there, as a user would
@@ -112,5 +113,7 @@ if __name__ == "__main__":
     check(jax.device_count() == 8, "8 fake devices")
     for case in (layout_and_errors, greedy_equals_unsharded, sampled_is_seed_identical, no_weight_is_gathered,
                  exact_is_bitwise_ar):
+        start = time.perf_counter()
         case()
+        print(f"{case.__name__}: {time.perf_counter() - start:.1f} s", flush=True)
     print("all sharded cases passed")
