@@ -6,14 +6,16 @@ import os
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import weaver_jax  # noqa: E402
-from weaver_jax import _generate  # noqa: E402
+from weaver_jax import _generate, cli  # noqa: E402
 from weaver_jax._model import module_params  # noqa: E402
 from weaver_jax._sharding import check_rules  # noqa: E402
 from weaver_jax.testing import random_bundle  # noqa: E402
@@ -53,6 +55,18 @@ def greedy_equals_unsharded():
             check(tokens(sharded, m) == reference[m], f"{m} greedy {shape}")
 
 
+def hybrid_equals_unsharded():
+    """A hybrid Gated DeltaNet target (two GDN layers, one gated attention): its GDN layers split by key / value
+    heads, the recurrent and conv states with them; greedy tokens equal the unsharded bundle's."""
+    hybrid = random_bundle(2, family="qwen3_5", eos_token_ids=(5,))
+    sharded = weaver_jax.shard(hybrid, mesh(2, 2), replicate=("drafter", "adapter"))
+    check(sharded.target.layers[0].mixer.groups == 2, "GDN layers grouped per device")
+    same = all(np.array_equal(a, module_params(hybrid.target)[k]) for k, a in module_params(sharded.target).items())
+    check(same, "module_params of a sharded hybrid target is the unsharded layout (conv rows too)")
+    for m in ("ar", "weaver"):
+        check(tokens(sharded, m) == tokens(hybrid, m), f"hybrid {m} greedy (2, 2)")
+
+
 def sampled_is_seed_identical():
     """Sampled: the sharded bundle draws what the unsharded one draws, and every method what `ar` draws."""
     sharded = weaver_jax.shard(BUNDLE, mesh(2, 2))
@@ -85,12 +99,56 @@ def no_weight_is_gathered():
         check(len(re.findall(r" all-reduce\(", hlo)) > 0, f"{method}: tensor parallel (all-reduces present)")
 
 
+def training_resumes_on_another_mesh():
+    """A drafter trained data-parallel on a (2, 2) mesh (the target split over `model`), interrupted after a
+    step, resumed on (4, 1): the same loss curve and parameters as the whole run on one device."""
+    import tempfile
+
+    from flax import nnx
+
+    from weaver_jax import training
+    from weaver_jax._train import TrainConfig, fit, read_log
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 96, int(rng.integers(3, 8))).tolist() for _ in range(8)]
+    out = weaver_jax.generate(BUNDLE, prompts, max_new_tokens=24, eos_token_id=[])
+    tokens = np.full((8, 32), -1, np.int32)
+    for i, (p, r) in enumerate(zip(prompts, out.tokens, strict=True)):
+        tokens[i, : len(p) + len(r)] = p + r
+    data = dict(tokens=tokens, prompt_lengths=np.array([len(p) for p in prompts], np.int32),
+                lengths=np.array([len(p) + len(r) for p, r in zip(prompts, out.tokens, strict=True)], np.int32))
+    config = TrainConfig(steps=6, batch_size=4, anchors=4, learning_rate=3e-3, save_every=3, log_every=1)
+    loss_fn = training.drafter_loss_fn(config)
+    fresh = lambda: jax.tree.map(jax.numpy.copy, BUNDLE.drafter)  # noqa: E731
+    with tempfile.TemporaryDirectory() as tmp:
+        whole, _ = fit(fresh(), loss_fn, data, config, f"{tmp}/one", frozen=(BUNDLE.target,))
+        _, info = fit(fresh(), loss_fn, data, config, f"{tmp}/mesh", frozen=(BUNDLE.target,), max_seconds=0.0,
+                      mesh=mesh(2, 2))
+        check(info["step"] == 1, "interrupted after one step on (2, 2)")
+        resumed, info = fit(fresh(), loss_fn, data, config, f"{tmp}/mesh", frozen=(BUNDLE.target,), mesh=mesh(4, 1))
+        check(info["finished"], "resumed on (4, 1) and finished")
+        one, sharded = read_log(f"{tmp}/one"), read_log(f"{tmp}/mesh")
+        check(np.allclose([r["loss"] for r in one], [r["loss"] for r in sharded], rtol=1e-4),
+              f"the same loss curve: {[round(r['loss'], 4) for r in sharded]}")
+        check(all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(
+            jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed)), strict=True)),
+            "the same parameters")
+    try:
+        fit(fresh(), loss_fn, data, dataclasses.replace(config, batch_size=3), "/nonexistent/run", mesh=mesh(2, 1),
+            frozen=(BUNDLE.target,))
+    except ValueError as e:
+        check("batch size 3 does not divide over the mesh's 'data' axis of 2" in str(e), f"error: {e}")
+
+
 def layout_and_errors():
     sharded = weaver_jax.shard(BUNDLE, mesh(2, 2))
     qkv = sharded.target.layers[0].attn.qkv[...]
     check(qkv.sharding.spec == jax.sharding.PartitionSpec(None, "model"), "qkv split over model by columns")
     same = all(np.array_equal(a, module_params(BUNDLE.target)[k]) for k, a in module_params(sharded.target).items())
     check(same, "module_params of a sharded target is the unsharded layout (checkpoints unchanged)")
+    loaded = weaver_jax.load(Path(__file__).parent / "fixtures" / "hf" / "qwen2", dtype="float32", mesh=mesh(1, 2))
+    check(loaded.mesh.shape["model"] == 2 and loaded.target.layers[0].attn.groups == 2, "load(..., mesh=) shards")
+    check(cli._mesh("2x4").shape == {"data": 2, "model": 4}, "--mesh 2x4")
     resharded = weaver_jax.shard(sharded, mesh(1, 4), replicate=("drafter", "adapter"))
     check(tokens(resharded, "ar") == tokens(BUNDLE, "ar"), "a sharded bundle resharded to (1, 4)")
     for call, message in [
@@ -100,6 +158,7 @@ def layout_and_errors():
         (lambda: weaver_jax.shard(BUNDLE, jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])),
          "a mesh with axes ('data', 'model')"),
         (lambda: check_rules({"attn.out": ("heads", "ffn")}), "attn.out: two dimensions on one mesh axis"),
+        (lambda: cli._mesh("4x4"), "--mesh 4x4: 16 devices asked for, 8 present"),
     ]:
         try:
             call()
@@ -111,8 +170,8 @@ def layout_and_errors():
 
 if __name__ == "__main__":
     check(jax.device_count() == 8, "8 fake devices")
-    for case in (layout_and_errors, greedy_equals_unsharded, sampled_is_seed_identical, no_weight_is_gathered,
-                 exact_is_bitwise_ar):
+    for case in (layout_and_errors, greedy_equals_unsharded, hybrid_equals_unsharded, sampled_is_seed_identical,
+                 no_weight_is_gathered, exact_is_bitwise_ar, training_resumes_on_another_mesh):
         start = time.perf_counter()
         case()
         print(f"{case.__name__}: {time.perf_counter() - start:.1f} s", flush=True)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from weaver_jax._model import causal_attend
+from weaver_jax._model import causal_attend, split_grouped
 from weaver_jax.pallas_kernels import interpret, kernels_enabled
 
 
@@ -181,6 +181,8 @@ class GatedDeltaNet(nnx.Module):
     softplus(a + dt_bias); the gated delta rule; the gated RMSNorm rms(o) * weight * silu(z) per value
     head; the output projection. Weights `[in, out]`; conv `[C, W]`."""
 
+    groups: int = 1  # as `_model.Attention`'s: `in_qkv`'s columns and `conv`'s rows grouped per device
+
     def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_width: int, eps: float, dtype, *, rngs: nnx.Rngs):
         from weaver_jax._model import _param
@@ -203,14 +205,20 @@ class GatedDeltaNet(nnx.Module):
         return GDNState(jnp.zeros((batch, h_v, d_k, d_v), jnp.float32),
                         jnp.zeros((batch, self.conv.shape[0], self.conv.shape[1] - 1), self.conv.dtype))
 
+    def fused(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """The fused parameters: their q | k | v segments and the axis they are concatenated on."""
+        h_k, h_v, d_k, d_v = self.heads
+        segments = (h_k * d_k, h_k * d_k, h_v * d_v)
+        return {"in_qkv": (segments, -1), "conv": (segments, 0)}
+
     def _inputs(self, x, mixed_conv):
         """-> q, k `[B, T, H_k, d_k]` (normalised, q scaled), v `[B, T, H_v, d_v]`, g, beta `[B, T, H_v]`."""
         h_k, h_v, d_k, d_v = self.heads
         b, t, _ = x.shape
-        key = h_k * d_k
-        q = l2_normalize(mixed_conv[..., :key].reshape(b, t, h_k, d_k)) * d_k ** -0.5
-        k = l2_normalize(mixed_conv[..., key:2 * key].reshape(b, t, h_k, d_k))
-        v = mixed_conv[..., 2 * key:].reshape(b, t, h_v, d_v)
+        q, k, v = split_grouped(mixed_conv, self.fused()["in_qkv"][0], self.groups)
+        q = l2_normalize(q.reshape(b, t, h_k, d_k)) * d_k ** -0.5
+        k = l2_normalize(k.reshape(b, t, h_k, d_k))
+        v = v.reshape(b, t, h_v, d_v)
         beta = jax.nn.sigmoid((x @ self.in_b[...]).astype(jnp.float32))
         g = -jnp.exp(self.A_log[...]) * jax.nn.softplus((x @ self.in_a[...]).astype(jnp.float32) + self.dt_bias[...])
         return q, k, v, g, beta

@@ -151,12 +151,13 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
 
 
-def group_columns(w: jax.Array, segments: tuple[int, ...], groups: int) -> jax.Array:
-    """A fused projection's last axis, the concatenation of `segments` (q | k | v, gate | up), reordered so that
-    each of `groups` equal blocks holds its share of every segment: [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]. Sharded
-    over `groups` devices, a block is one device's heads / features whole (`weaver_jax.shard`)."""
-    parts = jnp.split(w, np.cumsum(segments)[:-1], axis=-1)
-    return jnp.concatenate([jnp.split(p, groups, axis=-1)[g] for g in range(groups) for p in parts], axis=-1)
+def group_columns(w: jax.Array, segments: tuple[int, ...], groups: int, axis: int = -1) -> jax.Array:
+    """A fused projection's `axis` (the last: its columns), the concatenation of `segments` (q | k | v,
+    gate | up), reordered so that each of `groups` equal blocks holds its share of every segment:
+    [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]. Sharded over `groups` devices, a block is one device's heads / features
+    whole (`weaver_jax.shard`)."""
+    parts = jnp.split(w, np.cumsum(segments)[:-1], axis=axis)
+    return jnp.concatenate([jnp.split(p, groups, axis=axis)[g] for g in range(groups) for p in parts], axis=axis)
 
 
 def split_grouped(y: jax.Array, segments: tuple[int, ...], groups: int) -> list[jax.Array]:
@@ -165,6 +166,12 @@ def split_grouped(y: jax.Array, segments: tuple[int, ...], groups: int) -> list[
     y = y.reshape(*y.shape[:-1], groups, -1)
     bounds = np.cumsum([0, *(s // groups for s in segments)])
     return [y[..., a:b].reshape(*y.shape[:-2], -1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def ungroup_columns(w: jax.Array, segments: tuple[int, ...], groups: int, axis: int = -1) -> jax.Array:
+    """`group_columns` undone: the segments back in their original order."""
+    w = jnp.moveaxis(w, axis, -1)
+    return jnp.moveaxis(jnp.concatenate(split_grouped(w, segments, groups), axis=-1), -1, axis)
 
 
 def _param(rngs: nnx.Rngs, shape, dtype, fan_in: int) -> nnx.Param:
@@ -187,10 +194,11 @@ class Attention(nnx.Module):
         self.k_norm = nnx.Param(jnp.ones((c.head_dim,), dt)) if c.qk_norm else None
         self.out = _param(rngs, (c.num_heads * c.head_dim, c.hidden_size), dt, c.num_heads * c.head_dim)
 
-    def fused(self) -> dict[str, tuple[int, ...]]:
-        """The fused parameters and their segments (what `group_columns` reorders)."""
+    def fused(self) -> dict[str, tuple[tuple[int, ...], int]]:
+        """The fused parameters: their segments and the axis they are concatenated on (what `group_columns`
+        reorders)."""
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        return {name: (h * d, kv * d, kv * d) for name in ("qkv", "qkv_bias") if getattr(self, name) is not None}
+        return {name: ((h * d, kv * d, kv * d), -1) for name in ("qkv", "qkv_bias") if getattr(self, name) is not None}
 
     def project(self, x, positions, inv_freq, exact: bool = False):
         """x `[B, T, D]` -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
@@ -199,7 +207,7 @@ class Attention(nnx.Module):
         qkv = dense(x, self.qkv[...], exact)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
-        q, k, v = split_grouped(qkv, self.fused()["qkv"], self.groups)
+        q, k, v = split_grouped(qkv, self.fused()["qkv"][0], self.groups)
         q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kv, d), v.reshape(b, t, kv, d)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm[...], self.eps, exact=exact), rms_norm(k, self.k_norm[...], self.eps,
@@ -247,14 +255,14 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (c.intermediate_size, c.hidden_size), dt, c.intermediate_size)
         self.down_bias = _bias((c.hidden_size,), dt, bias)
 
-    def fused(self) -> dict[str, tuple[int, ...]]:
+    def fused(self) -> dict[str, tuple[tuple[int, ...], int]]:
         f = self.down.shape[0]
-        return {name: (f, f) for name in ("gate_up", "gate_up_bias") if getattr(self, name) is not None}
+        return {name: ((f, f), -1) for name in ("gate_up", "gate_up_bias") if getattr(self, name) is not None}
 
     def __call__(self, x, exact: bool = False):
         h = dense(x, self.gate_up[...], exact)
         h = h if self.gate_up_bias is None else h + self.gate_up_bias[...]
-        gate, up = split_grouped(h, self.fused()["gate_up"], self.groups)
+        gate, up = split_grouped(h, self.fused()["gate_up"][0], self.groups)
         y = dense(jax.nn.silu(gate) * up, self.down[...], exact)
         return y if self.down_bias is None else y + self.down_bias[...]
 
@@ -432,10 +440,10 @@ def module_params(module: nnx.Module) -> dict:
     fused columns back in order)."""
     params = flatten_params(nnx.to_pure_dict(nnx.state(module)))
     for path, sub in nnx.iter_graph(module):
-        if isinstance(sub, Attention | MLP) and sub.groups > 1:
-            for name, segments in sub.fused().items():
+        if getattr(sub, "groups", 1) > 1:  # Attention, MLP, GatedDeltaNet
+            for name, (segments, axis) in sub.fused().items():
                 key = ".".join(map(str, (*path, name)))
-                params[key] = jnp.concatenate(split_grouped(params[key], segments, sub.groups), axis=-1)
+                params[key] = ungroup_columns(params[key], segments, sub.groups, axis)
     return params
 
 

@@ -19,7 +19,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from weaver_jax._model import MLP, Attention, KVCache, group_columns, split_grouped
+from weaver_jax._gdn import GatedDeltaNet
+from weaver_jax._model import MLP, Attention, KVCache, group_columns, ungroup_columns
 
 AXES = ("data", "model")
 
@@ -30,6 +31,11 @@ PARAMETER_AXES = {
     "lm_head": (None, "vocab"),
     "attn.qkv": (None, "heads"), "attn.qkv_bias": ("heads",), "attn.out": ("heads", None),
     "mlp.gate_up": (None, "ffn"), "mlp.gate_up_bias": ("ffn",), "mlp.down": ("ffn", None),
+    # hybrid targets: gated attention (q and its gate interleaved per head), Gated DeltaNet by key / value heads
+    "mixer.q_gate": (None, "heads"), "mixer.k": (None, "kv_heads"), "mixer.v": (None, "kv_heads"),
+    "mixer.out": ("heads", None), "mixer.in_qkv": (None, "heads"), "mixer.conv": ("heads", None),
+    "mixer.in_z": (None, "heads"), "mixer.in_b": (None, "heads"), "mixer.in_a": (None, "heads"),
+    "mixer.A_log": ("heads",), "mixer.dt_bias": ("heads",),
 }
 # Logical axis -> mesh axis. One table for parameters, caches and activations.
 MESH_AXES = {"heads": "model", "ffn": "model", "vocab": "model", "kv_heads": "model", "batch": "data"}
@@ -83,7 +89,7 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 
 def _fused_modules(module: nnx.Module):
-    return [(path, m) for path, m in nnx.iter_graph(module) if isinstance(m, Attention | MLP)]
+    return [(path, m) for path, m in nnx.iter_graph(module) if isinstance(m, Attention | MLP | GatedDeltaNet)]
 
 
 def shard_module(module: nnx.Module, mesh: Mesh, replicate: bool = False, label: str = "") -> nnx.Module:
@@ -94,17 +100,19 @@ def shard_module(module: nnx.Module, mesh: Mesh, replicate: bool = False, label:
     module = nnx.clone(module)
     groups = 1 if replicate else mesh.shape["model"]
     for path, sub in _fused_modules(module):
-        for name, segments in sub.fused().items():
+        for name, (segments, axis) in sub.fused().items():
             param = getattr(sub, name)
-            # a device holds whole heads: the KV heads must divide (the query heads follow their KV head)
-            units = (sub.num_kv_heads, "KV heads") if isinstance(sub, Attention) else (segments[0], "features")
+            # a device holds whole heads: the KV heads must divide (the query heads follow their KV head; a
+            # GDN layer's value heads follow their key head)
+            units = ((sub.num_kv_heads, "KV heads") if isinstance(sub, Attention) else
+                     (sub.heads[0], "key heads") if isinstance(sub, GatedDeltaNet) else (segments[0], "features"))
             if units[0] % groups:
                 where = f"{label} {'.'.join(map(str, (*path, name)))}".strip()
                 raise ValueError(f"{where}: {units[0]} {units[1]} do not divide over the mesh's 'model' axis of "
                                  f"{groups} devices")
             if sub.groups > 1:  # already grouped for another mesh
-                param[...] = jax.numpy.concatenate(split_grouped(param[...], segments, sub.groups), axis=-1)
-            param[...] = group_columns(param[...], segments, groups)
+                param[...] = ungroup_columns(param[...], segments, sub.groups, axis)
+            param[...] = group_columns(param[...], segments, groups, axis)
         sub.groups = groups
     graphdef, state = nnx.split(module)
 
@@ -133,14 +141,22 @@ def shard(bundle, mesh: Mesh, *, replicate: tuple[str, ...] = ("adapter",)):
 
 
 def cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
-    """Shardings for a cache (`KVCache`, or a hybrid target's with its GDN states): everything over `data` by
-    its batch (first) dimension, and the K/V `[B, S, H_kv, D]` also over `model` by KV heads when they divide
-    (a replicated module's cache keeps them whole)."""
-    heads = cache.k[0].shape[2] if cache.k else 0
-    kv = NamedSharding(mesh, PartitionSpec(MESH_AXES["batch"], None,
-                                           MESH_AXES["kv_heads"] if heads % mesh.shape["model"] == 0 else None, None))
-    batch_only = jax.tree.map(lambda leaf: batch_sharding(mesh, leaf.ndim), cache)
-    return dataclasses.replace(batch_only, k=tuple(kv for _ in cache.k), v=tuple(kv for _ in cache.v))
+    """Shardings for a cache: everything over `data` by its batch (first) dimension; the K/V `[B, S, H_kv, D]`
+    also over `model` by KV heads, and a hybrid target's GDN states (`[B, H_v, d_k, d_v]`, conv `[B, C, W - 1]`)
+    by heads / channels, where they divide (a replicated module's cache keeps them whole)."""
+    model = mesh.shape["model"]
+
+    def split(leaf, dim):  # batch over data, `dim` over model when it divides
+        spec = [MESH_AXES["batch"]] + [None] * (leaf.ndim - 1)
+        if leaf.shape[dim] % model == 0:
+            spec[dim] = MESH_AXES["heads"]
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    placed = jax.tree.map(lambda leaf: batch_sharding(mesh, leaf.ndim), cache)
+    placed = dataclasses.replace(placed, k=tuple(split(k, 2) for k in cache.k), v=tuple(split(v, 2) for v in cache.v))
+    if hasattr(cache, "states"):
+        placed = dataclasses.replace(placed, states=jax.tree.map(lambda leaf: split(leaf, 1), cache.states))
+    return placed
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

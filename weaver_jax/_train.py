@@ -260,15 +260,19 @@ def batch_indices(n: int, step: int, batch_size: int, seed: int) -> np.ndarray:
 
 def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, checkpoint_dir: str | Path, *,
         max_seconds: float | None = None, desc: str = "train", frozen: tuple = (),
-        start_step: int = 0, eval_data: dict | None = None) -> tuple[nnx.Module, dict]:
+        start_step: int = 0, eval_data: dict | None = None, mesh=None) -> tuple[nnx.Module, dict]:
     """Train `module` (its nnx.Param leaves) to minimise `loss_fn(module, *frozen, batch, key)`
     -> (loss, metrics). Resumes from the latest checkpoint in `checkpoint_dir`; when there is none
     and `start_step` > 0, warm-starts: training begins at that step from `module`'s parameters with a
     fresh optimiser (`_optimizer`), recorded in `checkpoint_dir/warm_start.json` so that resuming the
     run rebuilds the same schedule. With `eval_data` (held-out sequences, same form as `data`), every
     checkpoint also logs the loss's metrics on all of them as `eval_*` (fixed anchors: a curve).
-    data: arrays with a leading sequence axis (`_train_data.load_dataset`). Returns the module
-    and {"step", "finished", "last": the last logged metrics, "eval": the last evaluation (with eval_data)}."""
+    data: arrays with a leading sequence axis (`_train_data.load_dataset`). mesh: a `jax.sharding.Mesh` with axes
+    ("data", "model"): data parallel, each batch split over `data` (XLA sums the gradients), the trained module
+    whole on every device (so its checkpoints do not depend on the mesh, and a run resumes on any other), the
+    frozen modules (the target) split over `model` where they divide (`weaver_jax.shard`'s rules). Returns the
+    module and {"step", "finished", "last": the last logged metrics, "eval": the last evaluation (with
+    eval_data)}."""
     import orbax.checkpoint as ocp
 
     if not 0 <= start_step < config.steps:
@@ -289,8 +293,22 @@ def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, 
         if start_step:
             warm_start.write_text(json.dumps({"start_step": start_step}))
     start = resumed or start_step
+    placed = lambda x: x  # noqa: E731
+    if mesh is not None:
+        from weaver_jax._sharding import auto_mesh, batch_sharding, shard_module
+
+        mesh = auto_mesh(mesh)
+        if config.batch_size % mesh.shape["data"]:
+            raise ValueError(f"batch size {config.batch_size} does not divide over the mesh's 'data' axis of "
+                             f"{mesh.shape['data']} devices")
+        module = shard_module(module, mesh, replicate=True)
+        frozen = tuple(shard_module(m, mesh, label="frozen") for m in frozen)
+        placed = lambda x: jax.device_put(x, batch_sharding(mesh, x.ndim))  # noqa: E731
     graphdef, params = nnx.split(module, nnx.Param)
     state = {"params": params, "opt_state": _optimizer(config, offset).init(params)}
+    if mesh is not None:  # the trained state whole on every device (the optimiser's step count too): the restore
+        # below reads a checkpoint onto these shardings, whatever mesh wrote it
+        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     if resumed:
         state = manager.restore(resumed, args=ocp.args.StandardRestore(state))
     log_path = checkpoint_dir / "log.jsonl"
@@ -306,7 +324,7 @@ def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, 
     if eval_data is not None:  # whole batches: the last one wraps around to the first sequences
         count = len(eval_data["lengths"])
         wrap = np.arange(-(-count // config.batch_size) * config.batch_size) % count
-        eval_batches = [{k: jnp.asarray(eval_data[k][wrap[i : i + config.batch_size]]) for k in keys}
+        eval_batches = [{k: placed(jnp.asarray(eval_data[k][wrap[i : i + config.batch_size]])) for k in keys}
                         for i in range(0, len(wrap), config.batch_size)]
 
     def evaluate(params) -> dict:
@@ -317,7 +335,7 @@ def fit(module: nnx.Module, loss_fn: Callable, data: dict, config: TrainConfig, 
     with tqdm(total=config.steps, initial=start, desc=desc) as bar, open(log_path, "a") as log:
         while step < config.steps:
             idx = batch_indices(n, step, config.batch_size, config.seed)
-            batch = {k: jnp.asarray(data[k][idx]) for k in keys}
+            batch = {k: placed(jnp.asarray(data[k][idx])) for k in keys}
             state, metrics = train_step(state, frozen, batch, jnp.int32(step))
             step += 1
             bar.update(1)

@@ -163,7 +163,8 @@ def _fit_and_export(args, module, loss_fn, frozen, kind: str) -> int:
         module_json.write_text(json.dumps(dataclasses.asdict(module.config), indent=1))
     module, info = _train.fit(module, loss_fn(config), data, config, args.run,
                               max_seconds=args.max_minutes * 60 if args.max_minutes else None,
-                              desc=f"train-{kind}", frozen=frozen, start_step=args.init_step, eval_data=eval_data)
+                              desc=f"train-{kind}", frozen=frozen, start_step=args.init_step, eval_data=eval_data,
+                              mesh=_mesh(args.mesh))
     print(json.dumps({"kind": kind, **info}))
     try:
         _train.plot_log(args.run, Path(args.run) / "loss.png")
@@ -233,6 +234,21 @@ def _train_adapter(args) -> int:
                            "adapter")
 
 
+def _mesh(text: str | None):
+    """`--mesh DATAxMODEL` ("4x2") -> a jax Mesh with axes ("data", "model") over the first devices; None: none."""
+    if text is None:
+        return None
+    import jax
+
+    try:
+        data, model = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mesh must be DATAxMODEL, e.g. 4x1, got {text!r}") from None
+    if data < 1 or model < 1 or data * model > jax.device_count():
+        raise ValueError(f"--mesh {text}: {data * model} devices asked for, {jax.device_count()} present")
+    return jax.make_mesh((data, model), ("data", "model"), devices=jax.devices()[: data * model])
+
+
 def _training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("data", help="directory written by `weaver-jax train-data`")
     p.add_argument("run", help="run directory: checkpoints, log.jsonl, loss.png; resumed when it exists")
@@ -257,6 +273,8 @@ def _training_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--init", help="a new run starts from this checkpoint's parameters (same config), optimiser fresh")
     p.add_argument("--init-step", type=int, default=0,
                    help="with --init: the step it was exported at; the run continues the schedule from there")
+    p.add_argument("--mesh", help="DATAxMODEL devices (e.g. 8x1): data parallel over DATA, the target split over "
+                   "MODEL; the run resumes on any other mesh (default: one device)")
 
 
 def main(argv: list[str] | None = None) -> int:
