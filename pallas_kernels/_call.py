@@ -3,9 +3,11 @@ picking one element of a loaded vector."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
 
 
 def pallas_call(kernel, args, *, grid, in_specs, out_specs, out_shape, name: str, num_warps: int, num_stages: int,
@@ -41,3 +43,35 @@ def pick(vector, index, at):
     """`vector[at]` for a scalar `at` (index: `arange` of the vector's length), without a gather on a
     loaded value, which the Triton lowering rejects."""
     return jnp.sum(jnp.where(index == at, vector, 0))
+
+
+def _context_mesh():
+    """The ("data", "model") mesh `generate` traces a sharded bundle's programs under (`jax.set_mesh`), or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or tuple(mesh.axis_names) != ("data", "model") else mesh
+
+
+def heads_spec(heads: int):
+    """The mesh axis a kernel's heads are split over: "model" where they divide it (a target split by
+    `weaver_jax.shard`), else None (a replicated module's)."""
+    mesh = _context_mesh()
+    return "model" if mesh is not None and heads % mesh.shape["model"] == 0 else None
+
+
+def per_shard(fn, args: tuple, in_specs: tuple, out_specs):
+    """`fn(*args)` on each device's shard under the context mesh (`shard_map`): XLA does not partition a Pallas
+    call, so each runs on its local shapes (its grid from them) instead of on gathered inputs. Specs name "data"
+    and "model" (`heads_spec`); without a mesh, `fn(*args)`."""
+    mesh = _context_mesh()
+    if mesh is None:
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
+def batch_heads(ndim: int, heads: int | None = None, head_axis: int = 2) -> P:
+    """A `[B, ...]` array's spec: batch over "data", and with `heads` dimension `head_axis` over
+    `heads_spec(heads)`."""
+    spec = ["data"] + [None] * (ndim - 1)
+    if heads is not None:
+        spec[head_axis] = heads_spec(heads)
+    return P(*spec)

@@ -44,8 +44,9 @@ def check(condition, what):
 
 def greedy_equals_unsharded():
     """Every method's greedy tokens on each mesh are the unsharded bundle's (float32)."""
-    # (2, 2) runs in the sampled and HLO cases; (1, 8) does not divide this target's 4 KV heads (layout_and_errors)
-    cases = {(1, 1): ["ar"], (2, 1): ["weaver"], (1, 2): ["dflash", "ddtree", "weaver"], (2, 4): ["ar", "weaver"]}
+    # (2, 2) runs in the sampled and HLO cases; (1, 8) does not divide this target's 4 KV heads (layout_and_errors);
+    # (1, 1) runs on the GPU (BENCHMARKS.md, bench/sharding.py)
+    cases = {(2, 1): ["weaver"], (1, 2): ["dflash", "ddtree", "weaver"], (2, 4): ["ar", "weaver"]}
     reference = {m: tokens(BUNDLE, m) for m in ("ar", "dflash", "ddtree", "weaver")}
     for shape, methods in cases.items():
         # the drafter's 2 KV heads do not divide over 4 devices: replicated there, as a user would
@@ -63,8 +64,25 @@ def hybrid_equals_unsharded():
     check(sharded.target.layers[0].mixer.groups == 2, "GDN layers grouped per device")
     same = all(np.array_equal(a, module_params(hybrid.target)[k]) for k, a in module_params(sharded.target).items())
     check(same, "module_params of a sharded hybrid target is the unsharded layout (conv rows too)")
-    for m in ("ar", "weaver"):
-        check(tokens(sharded, m) == tokens(hybrid, m), f"hybrid {m} greedy (2, 2)")
+    check(tokens(sharded, "weaver") == tokens(hybrid, "weaver"), "hybrid weaver greedy (2, 2)")  # ar: with kernels
+
+
+def kernels_run_per_shard():
+    """The Pallas kernels (interpret mode here) forced on: each runs per device under `shard_map` on its
+    sequences and heads (tree and adapter attention, the acceptance walk and K/V moves, the tree GDN), and the
+    tokens are the unsharded XLA path's."""
+    from weaver_jax.pallas_kernels import use_kernels
+
+    reference = tokens(BUNDLE, "weaver")
+    hybrid = random_bundle(2, family="qwen3_5", eos_token_ids=(5,))
+    hybrid_reference = tokens(hybrid, "ar")
+    use_kernels(True)
+    try:
+        check(tokens(weaver_jax.shard(BUNDLE, mesh(2, 2)), "weaver") == reference, "weaver with kernels (2, 2)")
+        sharded = weaver_jax.shard(hybrid, mesh(2, 2), replicate=("drafter", "adapter"))
+        check(tokens(sharded, "ar") == hybrid_reference, "hybrid ar with the tree-GDN kernel (2, 2)")
+    finally:
+        use_kernels(None)
 
 
 def sampled_is_seed_identical():
@@ -171,7 +189,7 @@ def layout_and_errors():
 if __name__ == "__main__":
     check(jax.device_count() == 8, "8 fake devices")
     for case in (layout_and_errors, greedy_equals_unsharded, hybrid_equals_unsharded, sampled_is_seed_identical,
-                 no_weight_is_gathered, exact_is_bitwise_ar, training_resumes_on_another_mesh):
+                 no_weight_is_gathered, exact_is_bitwise_ar, kernels_run_per_shard, training_resumes_on_another_mesh):
         start = time.perf_counter()
         case()
         print(f"{case.__name__}: {time.perf_counter() - start:.1f} s", flush=True)

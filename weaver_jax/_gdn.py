@@ -258,9 +258,15 @@ class GatedDeltaNet(nnx.Module):
         q, k, v, g, beta = self._inputs(x, conv_tree(mixed, state.conv, self.conv[...], path, depth))
         # the kernel's tiles need head dims 2^k >= 16
         if kernels_enabled("tree_gdn") and all(d >= 16 and d & (d - 1) == 0 for d in self.heads[2:]):
+            from weaver_jax.pallas_kernels._call import batch_heads, per_shard
             from weaver_jax.pallas_kernels.tree_gdn import tree_gdn
 
-            o, u, prefix = tree_gdn(q, k, v, g, beta, state.recurrent, ancestors, interpret=interpret())
+            h_k = self.heads[0]  # per device: its key heads and the value heads that share them
+            on = lambda ndim, axis: batch_heads(ndim, h_k, axis)  # noqa: E731
+            o, u, prefix = per_shard(lambda *a: tree_gdn(*a, interpret=interpret()),
+                                     (q, k, v, g, beta, state.recurrent, ancestors),
+                                     (on(4, 2), on(4, 2), on(4, 2), on(3, 2), on(3, 2), on(4, 1), batch_heads(3)),
+                                     (on(4, 2), on(4, 1), on(3, 1)))
             terms = TreeTerms(u, prefix, _per_value_head(q, k, v, g, beta)[1])
         else:
             o, terms = gated_delta_tree(q, k, v, g, beta, state.recurrent, ancestors)

@@ -7,6 +7,7 @@ host wrapper: validation, padding, compilation cache and timing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -168,8 +169,9 @@ _COMPILED: dict = {}
 
 
 def _compiled(fn, static: dict, *args):
-    """AOT-compile `fn` once per static configuration and argument shapes, so timing excludes it."""
-    shapes = jax.tree.map(lambda a: (a.shape, a.dtype), args)
+    """AOT-compile `fn` once per static configuration and argument shapes and shardings (a bundle on a mesh
+    compiles its own program), so timing excludes it."""
+    shapes = jax.tree.map(lambda a: (a.shape, a.dtype, getattr(a, "sharding", None)), args)
     key = (fn, tuple(sorted(static.items())), str(shapes))
     if key not in _COMPILED:
         _COMPILED[key] = fn.lower(*args, **static).compile()
@@ -198,6 +200,12 @@ def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool)
                            sampled=sampled, **adapter_limits)
     nodes = options["budget"] + 1 if "budget" in options else options["depth"] + 1
     return options, nodes
+
+
+def _mesh_scope(bundle):
+    """Where a sharded bundle's programs are traced: under its mesh, which the Pallas kernels read to run per
+    device (`pallas_kernels._call.per_shard`)."""
+    return contextlib.nullcontext() if bundle.mesh is None else jax.set_mesh(bundle.mesh)
 
 
 def _on_mesh(mesh, x):
@@ -301,7 +309,8 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     fn, static, args = _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed,
                                 eos_token_id, method_options, pad_to=pad_to, exact=exact)
     t0 = time.perf_counter()
-    compiled = _compiled(fn, static, *args)
+    with _mesh_scope(bundle):
+        compiled = _compiled(fn, static, *args)
     t1 = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
     seconds = time.perf_counter() - t1
@@ -334,7 +343,9 @@ def proposal_tree(bundle, prompt, *, method: str = "weaver", temperature: float 
     target's token after it}. For plotting and inspection; `generate` does the same round inside."""
     fn, static, args = _prepare(bundle, [prompt], method, bundle.drafter.config.block_size + 1, temperature, top_k,
                                 top_p, seed, [], method_options, round_only=True)
-    tree, acc = _compiled(fn, static, *args)(*args)
+    with _mesh_scope(bundle):
+        compiled = _compiled(fn, static, *args)
+    tree, acc = compiled(*args)
     valid = np.asarray(tree.valid[0])
     n = int(acc.length[0])
     return {"tokens": np.asarray(tree.tokens[0])[valid].tolist(), "parent": np.asarray(tree.parent[0])[valid].tolist(),

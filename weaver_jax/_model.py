@@ -223,18 +223,31 @@ class Attention(nnx.Module):
         if exact:  # the row-invariant kernel, by position
             from weaver_jax.pallas_kernels.row_invariant import attention
 
-            o = attention(q, k_cache, v_cache, positions, lengths, mask.path, interpret=interpret())
+            o = per_head_kernel(lambda *a: attention(*a, interpret=interpret()), kv,
+                                (q, k_cache, v_cache), (positions, lengths, mask.path))
         elif isinstance(mask, TreeVisibility):  # the Pallas kernel: prefix [0, len) + `attend` among the new tokens
             from weaver_jax.pallas_kernels.tree_attention import tree_attention
 
-            o = tree_attention(q, k_cache, v_cache, lengths, mask.attend, interpret=interpret())
+            o = per_head_kernel(lambda *a: tree_attention(*a, interpret=interpret()), kv, (q, k_cache, v_cache),
+                                (lengths, mask.attend))
         elif isinstance(mask, SlotVisibility):  # the Pallas kernel gathering each query's slots
             from weaver_jax.pallas_kernels.adapter_attention import adapter_attention
 
-            o = adapter_attention(q, k_cache, v_cache, mask.slots, interpret=interpret())
+            o = per_head_kernel(lambda *a: adapter_attention(*a, interpret=interpret()), kv, (q, k_cache, v_cache),
+                                (mask.slots,))
         else:
             o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
         return dense(o.astype(x.dtype).reshape(b, t, h * d), self.out[...], exact), k_cache, v_cache
+
+
+def per_head_kernel(kernel, kv_heads: int, heads: tuple, rows: tuple) -> jax.Array:
+    """`kernel(*heads, *rows)` for an attention kernel whose `heads` arrays (q `[B, T, H, D]`, the caches
+    `[B, S, H_kv, D]`) and output are split by batch and heads and whose `rows` (`[B, ...]`) by batch: per
+    device under a sharded bundle's mesh (`pallas_kernels._call.per_shard`), else as it is."""
+    from weaver_jax.pallas_kernels._call import batch_heads, per_shard
+
+    spec = batch_heads(4, kv_heads)
+    return per_shard(kernel, (*heads, *rows), (spec,) * len(heads) + tuple(batch_heads(r.ndim) for r in rows), spec)
 
 
 def _bias(shape, dtype, present: bool) -> nnx.Param | None:
