@@ -3,6 +3,9 @@ picking one element of a loaded vector."""
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -75,3 +78,23 @@ def batch_heads(ndim: int, heads: int | None = None, head_axis: int = 2) -> P:
     if heads is not None:
         spec[head_axis] = heads_spec(heads)
     return P(*spec)
+
+
+def per_shard_product(product, x, w, split: str | None, transpose_w: bool = False):
+    """`product(x, w)` (x `[B, ..., K]`, w `[K, N]`, or `[N, K]` with transpose_w) per device when w is split over
+    the context mesh's `model` axis: "columns" (its N: each device its own outputs) or "rows" (its K, x's features
+    with it: each device a partial product; the partials are gathered and added in device order, the same order
+    whatever the rows, which an all-reduce's algorithm would not promise). None, or no mesh: as it is."""
+    if _context_mesh() is None or split is None:
+        return product(x, w)
+    lead = ["data"] + [None] * (x.ndim - 2)
+    if split == "columns":
+        w_spec = P("model", None) if transpose_w else P(None, "model")
+        return per_shard(product, (x, w), (P(*lead, None), w_spec), P(*lead, "model"))
+
+    def partial_sums(a, b):
+        parts = jax.lax.all_gather(product(a, b), "model")
+        return functools.reduce(operator.add, [parts[i] for i in range(parts.shape[0])])
+
+    w_spec = P(None, "model") if transpose_w else P("model", None)
+    return per_shard(partial_sums, (x, w), (P(*lead, "model"), w_spec), P(*lead, None))

@@ -14,6 +14,7 @@ over stacked weights (DESIGN section 4).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -107,13 +108,17 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
     return x
 
 
-def dense(x: jax.Array, w: jax.Array, exact: bool = False, transpose_w: bool = False) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, exact: bool = False, transpose_w: bool = False,
+          split: str | None = None) -> jax.Array:
     """`x @ w` (`w.T` with transpose_w) in x's dtype; exact: each row's product is independent of
-    the other rows (the row-invariant kernel)."""
+    the other rows (the row-invariant kernel), run per device where a sharded bundle splits w over its `model`
+    axis by `split` ("columns" or "rows": `pallas_kernels._call.per_shard_product`)."""
     if exact:
+        from weaver_jax.pallas_kernels._call import per_shard_product
         from weaver_jax.pallas_kernels.row_invariant import matmul
 
-        return matmul(x, w, transpose_w=transpose_w, interpret=interpret()).astype(x.dtype)
+        product = functools.partial(matmul, transpose_w=transpose_w, interpret=interpret())
+        return per_shard_product(product, x, w, split, transpose_w).astype(x.dtype)
     return x @ (w.T if transpose_w else w)
 
 
@@ -194,6 +199,10 @@ class Attention(nnx.Module):
         self.k_norm = nnx.Param(jnp.ones((c.head_dim,), dt)) if c.qk_norm else None
         self.out = _param(rngs, (c.num_heads * c.head_dim, c.hidden_size), dt, c.num_heads * c.head_dim)
 
+    def split(self, how: str) -> str | None:
+        """How a weight of this module is split over the devices (`dense`'s split): `how` when sharded, else None."""
+        return how if self.groups > 1 else None
+
     def fused(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """The fused parameters: their segments and the axis they are concatenated on (what `group_columns`
         reorders)."""
@@ -204,7 +213,7 @@ class Attention(nnx.Module):
         """x `[B, T, D]` -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = dense(x, self.qkv[...], exact)
+        qkv = dense(x, self.qkv[...], exact, split=self.split("columns"))
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         q, k, v = split_grouped(qkv, self.fused()["qkv"][0], self.groups)
@@ -237,7 +246,8 @@ class Attention(nnx.Module):
                                 (mask.slots,))
         else:
             o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
-        return dense(o.astype(x.dtype).reshape(b, t, h * d), self.out[...], exact), k_cache, v_cache
+        return (dense(o.astype(x.dtype).reshape(b, t, h * d), self.out[...], exact, split=self.split("rows")), k_cache,
+                v_cache)
 
 
 def per_head_kernel(kernel, kv_heads: int, heads: tuple, rows: tuple) -> jax.Array:
@@ -268,15 +278,17 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (c.intermediate_size, c.hidden_size), dt, c.intermediate_size)
         self.down_bias = _bias((c.hidden_size,), dt, bias)
 
+    split = Attention.split
+
     def fused(self) -> dict[str, tuple[tuple[int, ...], int]]:
         f = self.down.shape[0]
         return {name: ((f, f), -1) for name in ("gate_up", "gate_up_bias") if getattr(self, name) is not None}
 
     def __call__(self, x, exact: bool = False):
-        h = dense(x, self.gate_up[...], exact)
+        h = dense(x, self.gate_up[...], exact, split=self.split("columns"))
         h = h if self.gate_up_bias is None else h + self.gate_up_bias[...]
         gate, up = split_grouped(h, self.fused()["gate_up"][0], self.groups)
-        y = dense(jax.nn.silu(gate) * up, self.down[...], exact)
+        y = dense(jax.nn.silu(gate) * up, self.down[...], exact, split=self.split("rows"))
         return y if self.down_bias is None else y + self.down_bias[...]
 
 
@@ -345,11 +357,14 @@ class Transformer(nnx.Module):
 
     def head(self, h: jax.Array, exact: bool = False) -> jax.Array:
         """The LM head alone (the drafter applies it to its own normed states): `[..., D] -> [..., V]`."""
-        if exact:
+        if exact:  # the untied head is split by vocabulary on a sharded target (the tied embedding is whole)
+            from weaver_jax.pallas_kernels._call import per_shard_product
             from weaver_jax.pallas_kernels.row_invariant import matmul
 
             tied = self.lm_head is None
-            return matmul(h, self.embed[...] if tied else self.lm_head[...], transpose_w=tied, interpret=interpret())
+            product = functools.partial(matmul, transpose_w=tied, interpret=interpret())
+            split = None if tied else self.layers[0].attn.split("columns")
+            return per_shard_product(product, h, self.embed[...] if tied else self.lm_head[...], split, tied)
         if self.lm_head is None:
             return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
