@@ -182,6 +182,13 @@ def test_hugging_face_model_directory_brings_its_tokenizer(tmp_path):
     assert converted.tokenizer.apply_chat_template(msgs) == ids and converted.eos_token_ids == (3, 4)
     assert np.array_equal(weaver_jax.generate(converted, [ids], max_new_tokens=4).tokens, out.tokens)
 
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))
+    with pytest.warns(UserWarning, match="pad_token '<pad>' is not in the vocabulary; ignored"):
+        assert weaver_jax.load(model, dtype="float32").tokenizer.special_tokens.get("pad_token") is None
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "</s>"}))
+    with pytest.raises(ValueError, match="eos_token '</s>' is not in the vocabulary"):
+        weaver_jax.load(model, dtype="float32")
     small_tokenizer_files(model, extra_tokens=256)
     with pytest.raises(ValueError, match=r"tokenizer has \d{3} tokens but the target's vocabulary holds 256"):
         weaver_jax.load(model, dtype="float32")

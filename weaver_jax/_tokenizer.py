@@ -177,10 +177,15 @@ class Tokenizer:
         for name in _SPECIAL_NAMES:
             value = config.get(name)
             value = value.get("content") if isinstance(value, dict) else value
-            if value is not None:
-                if tok.token_to_id(value) is None:
-                    raise ValueError(f"{path / 'tokenizer_config.json'}: {name} {value!r} is not in the vocabulary")
+            if value is None:
+                continue
+            if tok.token_to_id(value) is not None:
                 special[name] = value
+            elif name in ("bos_token", "eos_token"):  # the ids generation and templates rely on
+                raise ValueError(f"{path / 'tokenizer_config.json'}: {name} {value!r} is not in the vocabulary")
+            else:  # transformers would add it as a new token; nothing here needs it
+                warnings.warn(f"{path / 'tokenizer_config.json'}: {name} {value!r} is not in the vocabulary; ignored",
+                              stacklevel=3)
         eos = _read_json(path / "generation_config.json").get("eos_token_id")
         if eos is None:
             eos = [tok.token_to_id(special["eos_token"])] if "eos_token" in special else []
