@@ -48,7 +48,7 @@ def pick(vector, index, at):
     return jnp.sum(jnp.where(index == at, vector, 0))
 
 
-def _context_mesh():
+def context_mesh():
     """The ("data", "model") mesh `generate` traces a sharded bundle's programs under (`jax.set_mesh`), or None."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh.empty or tuple(mesh.axis_names) != ("data", "model") else mesh
@@ -57,7 +57,7 @@ def _context_mesh():
 def heads_spec(heads: int):
     """The mesh axis a kernel's heads are split over: "model" where they divide it (a target split by
     `weaver_jax.shard`), else None (a replicated module's)."""
-    mesh = _context_mesh()
+    mesh = context_mesh()
     return "model" if mesh is not None and heads % mesh.shape["model"] == 0 else None
 
 
@@ -65,7 +65,7 @@ def per_shard(fn, args: tuple, in_specs: tuple, out_specs):
     """`fn(*args)` on each device's shard under the context mesh (`shard_map`): XLA does not partition a Pallas
     call, so each runs on its local shapes (its grid from them) instead of on gathered inputs. Specs name "data"
     and "model" (`heads_spec`); without a mesh, `fn(*args)`."""
-    mesh = _context_mesh()
+    mesh = context_mesh()
     if mesh is None:
         return fn(*args)
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
@@ -85,7 +85,7 @@ def per_shard_product(product, x, w, split: str | None, transpose_w: bool = Fals
     the context mesh's `model` axis: "columns" (its N: each device its own outputs) or "rows" (its K, x's features
     with it: each device a partial product; the partials are gathered and added in device order, the same order
     whatever the rows, which an all-reduce's algorithm would not promise). None, or no mesh: as it is."""
-    if _context_mesh() is None or split is None:
+    if context_mesh() is None or split is None:
         return product(x, w)
     lead = ["data"] + [None] * (x.ndim - 2)
     if split == "columns":

@@ -140,23 +140,29 @@ def shard(bundle, mesh: Mesh, *, replicate: tuple[str, ...] = ("adapter",)):
     return dataclasses.replace(bundle, **placed, mesh=mesh)
 
 
-def cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
-    """Shardings for a cache: everything over `data` by its batch (first) dimension; the K/V `[B, S, H_kv, D]`
-    also over `model` by KV heads, and a hybrid target's GDN states (`[B, H_v, d_k, d_v]`, conv `[B, C, W - 1]`)
-    by heads / channels, where they divide (a replicated module's cache keeps them whole)."""
-    model = mesh.shape["model"]
+def cache_specs(cache: KVCache, model: int) -> KVCache:
+    """PartitionSpecs for a cache on a mesh whose `model` axis has `model` devices: everything over `data` by its
+    batch (first) dimension; the K/V `[B, S, H_kv, D]` also over `model` by KV heads, and a hybrid target's GDN
+    states (`[B, H_v, d_k, d_v]`, conv `[B, C, W - 1]`) by heads / channels, where they divide (a replicated
+    module's cache keeps them whole). The caches' placement and the kernels that take a cache share it."""
 
     def split(leaf, dim):  # batch over data, `dim` over model when it divides
         spec = [MESH_AXES["batch"]] + [None] * (leaf.ndim - 1)
         if leaf.shape[dim] % model == 0:
             spec[dim] = MESH_AXES["heads"]
-        return NamedSharding(mesh, PartitionSpec(*spec))
+        return PartitionSpec(*spec)
 
-    placed = jax.tree.map(lambda leaf: batch_sharding(mesh, leaf.ndim), cache)
-    placed = dataclasses.replace(placed, k=tuple(split(k, 2) for k in cache.k), v=tuple(split(v, 2) for v in cache.v))
+    specs = jax.tree.map(lambda leaf: PartitionSpec(MESH_AXES["batch"], *([None] * (leaf.ndim - 1))), cache)
+    specs = dataclasses.replace(specs, k=tuple(split(k, 2) for k in cache.k), v=tuple(split(v, 2) for v in cache.v))
     if hasattr(cache, "states"):
-        placed = dataclasses.replace(placed, states=jax.tree.map(lambda leaf: split(leaf, 1), cache.states))
-    return placed
+        specs = dataclasses.replace(specs, states=jax.tree.map(lambda leaf: split(leaf, 1), cache.states))
+    return specs
+
+
+def cache_sharding(mesh: Mesh, cache: KVCache) -> KVCache:
+    """`cache_specs` as shardings on `mesh`."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(cache, mesh.shape["model"]),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

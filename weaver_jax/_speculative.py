@@ -193,14 +193,14 @@ def accept_and_move(tree: Tree, logits: jax.Array | None, cache: KVCache, keys: 
     `keys` and `first_step` are unused. ancestors: `tree.ancestors()` when already made (the XLA walk reads it)."""
     choice = tree_choices(tree, logits, keys, first_step, sampling) if choice is None else choice
     if kernels_enabled("accept_commit") and cache.k:  # (a hybrid target may have no attention layer)
+        from weaver_jax._sharding import cache_specs
         from weaver_jax.pallas_kernels import interpret
-        from weaver_jax.pallas_kernels._call import batch_heads, per_shard
+        from weaver_jax.pallas_kernels._call import batch_heads, context_mesh, per_shard
         from weaver_jax.pallas_kernels.accept_commit import accept_commit
 
-        # per device: its sequences' walks, and the moves of its K/V heads
-        heads = batch_heads(4, cache.k[0].shape[2])
-        cache_spec = dataclasses.replace(jax.tree.map(lambda a: batch_heads(a.ndim), cache),
-                                         k=(heads,) * len(cache.k), v=(heads,) * len(cache.v))
+        # per device: its sequences' walks, and the moves of its K/V heads (the cache split as it is placed)
+        mesh = context_mesh()
+        cache_spec = cache_specs(cache, mesh.shape["model"] if mesh is not None else 1)
         return per_shard(lambda t, c, kv: accept_commit(t, c, kv, max_depth=max_depth, interpret=interpret()),
                          (tree, choice, cache), (jax.tree.map(lambda a: batch_heads(a.ndim), tree), batch_heads(2),
                                                  cache_spec),
