@@ -45,8 +45,9 @@ def check(condition, what):
 def greedy_equals_unsharded():
     """Every method's greedy tokens on each mesh are the unsharded bundle's (float32)."""
     # (1, 8) does not divide this target's 4 KV heads (layout_and_errors); (1, 1) runs on the GPU (BENCHMARKS.md,
-    # bench/sharding.py). The (2, 2) programs are the ones no_weight_is_gathered reads.
-    cases = {(2, 2): ["ar", "weaver"], (2, 1): ["weaver"], (1, 2): ["dflash", "ddtree"], (2, 4): ["ar"]}
+    # bench/sharding.py); weaver on (2, 2) runs with the kernels (kernels_run_per_shard). no_weight_is_gathered
+    # reads the (2, 2) programs.
+    cases = {(2, 2): ["ar"], (2, 1): ["weaver"], (1, 2): ["dflash", "ddtree"], (2, 4): ["ar"]}
     reference = {m: tokens(BUNDLE, m) for m in ("ar", "dflash", "ddtree", "weaver")}
     for shape, methods in cases.items():
         # the drafter's 2 KV heads do not divide over 4 devices: replicated there, as a user would
@@ -56,31 +57,25 @@ def greedy_equals_unsharded():
             check(tokens(sharded, m) == reference[m], f"{m} greedy {shape}")
 
 
-def hybrid_equals_unsharded():
-    """A hybrid Gated DeltaNet target (two GDN layers, one gated attention): its GDN layers split by key / value
-    heads, the recurrent and conv states with them; greedy tokens equal the unsharded bundle's."""
-    hybrid = random_bundle(2, family="qwen3_5", eos_token_ids=(5,))
-    sharded = weaver_jax.shard(hybrid, mesh(2, 2), replicate=("drafter", "adapter"))
-    check(sharded.target.layers[0].mixer.groups == 2, "GDN layers grouped per device")
-    same = all(np.array_equal(a, module_params(hybrid.target)[k]) for k, a in module_params(sharded.target).items())
-    check(same, "module_params of a sharded hybrid target is the unsharded layout (conv rows too)")
-    check(tokens(sharded, "weaver") == tokens(hybrid, "weaver"), "hybrid weaver greedy (2, 2)")  # ar: with kernels
-
-
 def kernels_run_per_shard():
-    """The Pallas kernels (interpret mode here) forced on: each runs per device under `shard_map` on its
-    sequences and heads (tree and adapter attention, the acceptance walk and K/V moves, the tree GDN), and the
-    tokens are the unsharded XLA path's."""
+    """The Pallas kernels (interpret mode here) forced on, as a GPU runs them: each runs per device under
+    `shard_map` on its sequences and heads (tree and adapter attention, the acceptance walk and K/V moves, the
+    tree GDN), and the tokens are the unsharded XLA path's. The hybrid Gated DeltaNet target (two GDN layers,
+    one gated attention) has its GDN layers split by key / value heads, the recurrent and conv states with them."""
     from weaver_jax.pallas_kernels import use_kernels
 
     reference = tokens(BUNDLE, "weaver")
     hybrid = random_bundle(2, family="qwen3_5", eos_token_ids=(5,))
-    hybrid_reference = tokens(hybrid, "ar")
+    hybrid_reference = tokens(hybrid, "weaver")
+    sharded_hybrid = weaver_jax.shard(hybrid, mesh(2, 2), replicate=("drafter", "adapter"))
+    check(sharded_hybrid.target.layers[0].mixer.groups == 2, "GDN layers grouped per device")
+    same = all(np.array_equal(a, module_params(hybrid.target)[k])
+               for k, a in module_params(sharded_hybrid.target).items())
+    check(same, "module_params of a sharded hybrid target is the unsharded layout (conv rows too)")
     use_kernels(True)
     try:
         check(tokens(weaver_jax.shard(BUNDLE, mesh(2, 2)), "weaver") == reference, "weaver with kernels (2, 2)")
-        sharded = weaver_jax.shard(hybrid, mesh(2, 2), replicate=("drafter", "adapter"))
-        check(tokens(sharded, "ar") == hybrid_reference, "hybrid ar with the tree-GDN kernel (2, 2)")
+        check(tokens(sharded_hybrid, "weaver") == hybrid_reference, "hybrid weaver with the tree-GDN kernel (2, 2)")
     finally:
         use_kernels(None)
 
@@ -102,14 +97,20 @@ def exact_is_bitwise_ar():
 
 def no_weight_is_gathered():
     """The compiled decode holds no all-gather whose result is a whole weight matrix: each device multiplies by
-    its own columns / rows, and XLA all-reduces activations."""
+    its own columns / rows, and XLA all-reduces activations (weaver: with the kernels, as on a GPU)."""
+    from weaver_jax.pallas_kernels import use_kernels
+
     sharded = weaver_jax.shard(BUNDLE, mesh(2, 2))
     weights = {tuple(w.shape) for m in (BUNDLE.target, BUNDLE.drafter) for w in module_params(m).values()
                if w.ndim == 2}
     for method in ("ar", "weaver"):
-        fn, static, args = _generate._prepare(sharded, PROMPTS, method, 10, 0.0, 0, 1.0, 0, None,
-                                              {} if method == "ar" else {"budget": 8})
-        hlo = _generate._compiled(fn, static, *args).as_text()  # greedy_equals_unsharded compiled it
+        use_kernels(method == "weaver")  # as greedy_equals_unsharded and kernels_run_per_shard compiled them
+        try:
+            fn, static, args = _generate._prepare(sharded, PROMPTS, method, 10, 0.0, 0, 1.0, 0, None,
+                                                  {} if method == "ar" else {"budget": 8})
+        finally:
+            use_kernels(None)
+        hlo = _generate._compiled(fn, static, *args).as_text()
         gathered = {tuple(int(d) for d in dims.split(",")) for dims in
                     re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)}
         check(not gathered & weights, f"{method}: no weight all-gathered ({sorted(gathered & weights)})")
@@ -187,8 +188,8 @@ def layout_and_errors():
 
 if __name__ == "__main__":
     check(jax.device_count() == 8, "8 fake devices")
-    for case in (layout_and_errors, greedy_equals_unsharded, hybrid_equals_unsharded, sampled_is_seed_identical,
-                 no_weight_is_gathered, exact_is_bitwise_ar, kernels_run_per_shard, training_resumes_on_another_mesh):
+    for case in (layout_and_errors, greedy_equals_unsharded, kernels_run_per_shard, sampled_is_seed_identical,
+                 no_weight_is_gathered, exact_is_bitwise_ar, training_resumes_on_another_mesh):
         start = time.perf_counter()
         case()
         print(f"{case.__name__}: {time.perf_counter() - start:.1f} s", flush=True)

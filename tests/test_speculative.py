@@ -161,9 +161,8 @@ def test_sampling_is_seed_identical_to_autoregressive(method, options, sampling,
 
 @pytest.mark.parametrize("method,options,sampling", [
     ("dflash", {}, dict(temperature=1.0)),
-    ("ddtree", {"budget": 6}, dict(temperature=1.0)),
     ("weaver", {"budget": 6}, dict(temperature=1.0)),
-    ("ddtree", {"budget": 6}, dict(temperature=0.7, top_k=3, top_p=0.9)),
+    ("ddtree", {"budget": 6}, dict(temperature=0.7, top_k=3, top_p=0.9)),  # filtered; unfiltered: seed-identical
 ])
 def test_sampling_matches_the_autoregressive_distribution(method, options, sampling):
     """16000 samples of the first 3 tokens: chi-square over the 64 outcomes against the exact
