@@ -7,7 +7,7 @@ drafter 15. At these M a product is bound by reading the weight once (an 8B shap
 201 MB: 54 us at 3.7 TB/s; the FLOPs of 65 rows take ~1/10 of that on the tensor cores), so the
 figure of merit is time / floor, the floor being one fused sum over the same matrix (`read`). For each
 weight matrix of one layer of `--shape` (and the LM head), for each M: XLA's product (what `dense`
-runs) and the `small_m` Pallas kernel (`pallas_kernels.small_m`) with each `--block-n` and `--split-k`, all
+runs) and the `small_m` Pallas kernel (bench/small_m.py, a candidate) with each `--block-n` and `--split-k`, all
 inside a `fori_loop` with a loop-carried dependency, as (time(n + 1) - time(1)) / n (bench/decode.py).
 """
 
@@ -26,9 +26,9 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
+from small_m import matmul as small_m  # noqa: E402
 
 from weaver_jax.pallas_kernels import interpret  # noqa: E402
-from weaver_jax.pallas_kernels.small_m import matmul as small_m  # noqa: E402
 
 
 def layer_weights(config) -> dict[str, tuple[int, int]]:

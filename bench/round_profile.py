@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import itertools
 import json
 import re
 import sys
@@ -133,6 +134,9 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--kernel-options", type=json.loads, default={},
                         help='launch options per Pallas kernel, e.g. \'{"weaver_search": {"num_warps": 8}}\'')
+    parser.add_argument("--spec-compiler-options", type=json.loads, nargs="+", default=[{}],
+                        help='XLA option sets for the speculative programs, each in turn (_generate.COMPILER_OPTIONS), '
+                             'e.g. \'{}\' \'{"xla_gpu_enable_triton_gemm": false}\'')
     parser.add_argument("--json", type=Path)
     parser.add_argument("--hlo-dir", type=Path, help="write each configuration's optimized HLO there")
     args = parser.parse_args()
@@ -142,8 +146,11 @@ def main():
     bundle = bundle_for(args)
     prompt = np.random.default_rng(0).integers(0, bundle.config.vocab_size, args.prompt_length).tolist()
     rows = []
-    for config in args.config:
+    for config, xla_options in itertools.product(args.config, args.spec_compiler_options):
         method, options, kernels = parse_config(config)
+        if method == "ar" and xla_options != args.spec_compiler_options[0]:
+            continue
+        _generate.COMPILER_OPTIONS["spec"] = xla_options
         scope = contextlib.nullcontext() if kernels is None else kernel_scope(kernels)
 
         def fresh(method=method, options=options):  # the caches are donated: new arguments for every call
@@ -178,7 +185,8 @@ def main():
             by_kernel[stage, name[:120]][0] += 1
             by_kernel[stage, name[:120]][1] += us
         per_round = {s: busy[s] / rounds for s in busy if s != "prefill"}
-        row = dict(config=config, batch=args.batch, rounds=rounds, wall_us_per_round=wall / rounds * 1e6,
+        row = dict(config=config, spec_compiler_options=xla_options, batch=args.batch, rounds=rounds,
+                   wall_us_per_round=wall / rounds * 1e6,
                    busy_us_per_round=sum(per_round.values()),
                    kernels_per_round=sum(kernels[s] for s in kernels if s != "prefill") / rounds,
                    stages={s: dict(us=busy[s] / rounds, kernels=kernels[s] / rounds) for s in sorted(busy)},

@@ -10,7 +10,7 @@ run (at each of `--contexts`, with the target's attention through XLA and/or the
 `--kernels`); Weaver tree construction at budgets `--budgets` (adapter of width `--adapter-rank`,
 `--adapter-layers` layers, `--pool` candidates per depth, 8 children per node) against the same number of
 full-vocabulary projections done as one matmul; then one round's stages for `dflash`, `ddtree`
-and `weaver` (budget 64): drafter proposal, tree build, verification, acceptance + commit.
+and `weaver` (`--round-budget`, 64): drafter proposal, tree build, verification, acceptance + commit.
 Random weights; a 5-layer DFlash drafter of the target's width.
 """
 
@@ -103,6 +103,8 @@ def main():
     parser.add_argument("--drafter-features", type=int, help="target layers fused into the context (default: layers)")
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--round-budget", type=int, default=64,
+                        help="the round stage's tree budget (nodes = budget + 1; 63: 64 rows, a whole GEMM tile)")
     parser.add_argument("--calls", type=int, default=16,
                         help="Weaver expands ceil(budget / calls) nodes per adapter call, so a tree takes ~calls calls "
                              "(16 here, as issues 3-8 measured; generate's default is about 3)")
@@ -171,10 +173,11 @@ def main():
     root_state = jax.random.normal(jax.random.key(3), (b, config.hidden_size), jnp.float32).astype(dtype)
     weaver_ws = (aparams, tables, root_state, dstates, marginals)
     trees = {"weaver": jax.jit(lambda ws: weaver_tree(nnx.merge(agraphdef, ws[0]), ws[1], start, ws[2], ws[3], ws[4],
-                                                      budget=64, children=8, expansions=-(-64 // args.calls),
+                                                      budget=args.round_budget, children=8,
+                                                      expansions=-(-args.round_budget // args.calls),
                                                       pool_size=args.pool))(weaver_ws),
-             "dflash": build_tree("dflash", start, marginals, {}), "ddtree": build_tree("ddtree", start, marginals,
-                                                                                       {"budget": 64})}
+             "dflash": build_tree("dflash", start, marginals, {}),
+             "ddtree": build_tree("ddtree", start, marginals, {"budget": args.round_budget})}
 
     for context, write in itertools.product(args.contexts, args.cache_write):
         _model._write = CACHE_WRITES[write]  # looked up when the target's forward is traced
@@ -204,9 +207,9 @@ def main():
                     for method in args.methods:
                         tree = trees[method]
                         if method == "weaver":
-                            build_s = stage(weaver_build(64), start, weaver_ws)
+                            build_s = stage(weaver_build(args.round_budget), start, weaver_ws)
                         else:
-                            options = {"budget": 64} if method == "ddtree" else {}
+                            options = {"budget": args.round_budget} if method == "ddtree" else {}
                             build_s = stage(lambda c, ws, m=method, o=options: build_tree(
                                 m, c, ws * (1 + 1e-30 * c[:, None, None]), o).tokens[:, -1], start, marginals)
                         tree_verify_s = verify_s(tree)

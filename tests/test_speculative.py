@@ -27,7 +27,7 @@ def bundles(seed: int, tie: bool):
             rb.target, drafter=OracleDrafter(rb.config, block_size=6, corrupt=corrupt), adapter=rb.adapter)
 
 
-@pytest.mark.parametrize("seed,tie", [(0, False), (1, True), (2, True)])
+@pytest.mark.parametrize("seed,tie", [(0, False), (1, True)])  # llama untied, qwen3 tied (`bundles`)
 @pytest.mark.parametrize("method,options", METHODS)
 def test_greedy_equals_autoregressive(seed, tie, method, options):
     rng = np.random.default_rng(seed)

@@ -166,15 +166,20 @@ def _eos_ids(eos_token_id, default: tuple[int, ...], vocab_size: int) -> tuple[i
 
 
 _COMPILED: dict = {}
+# XLA options on top of its defaults, per program: "ar" (plain decoding) and "spec" (a speculative method's loop).
+# A flag applies to a whole program, so a setting that helps a round's verification is given to that program
+# only; bench/round_profile.py --spec-compiler-options measures candidates.
+COMPILER_OPTIONS: dict[str, dict] = {"ar": {}, "spec": {}}
 
 
 def _compiled(fn, static: dict, *args):
-    """AOT-compile `fn` once per static configuration and argument shapes and shardings (a bundle on a mesh
-    compiles its own program), so timing excludes it."""
+    """AOT-compile `fn` once per static configuration, argument shapes and shardings (a bundle on a mesh
+    compiles its own program) and `COMPILER_OPTIONS`, so timing excludes it."""
+    options = COMPILER_OPTIONS["ar" if fn is ar_generate else "spec"]
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype, getattr(a, "sharding", None)), args)
-    key = (fn, tuple(sorted(static.items())), str(shapes))
+    key = (fn, tuple(sorted(static.items())), str(shapes), tuple(sorted(options.items())))
     if key not in _COMPILED:
-        _COMPILED[key] = fn.lower(*args, **static).compile()
+        _COMPILED[key] = fn.lower(*args, **static).compile(compiler_options=options or None)
     return _COMPILED[key]
 
 

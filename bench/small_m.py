@@ -1,4 +1,5 @@
-"""A product for the few rows of a decode step, a tree verification or a drafter block (M <= 128).
+"""A candidate product for the few rows of a decode step, a tree verification or a drafter block (M <= 128),
+measured by bench/gemm.py against XLA's (issue 39: slower at most shapes; not used by the library).
 
 At these M a product is bound by reading the weight, not by its FLOPs: every column block of the
 weight should be streamed once, by enough programs to keep every SM's loads in flight. One program
