@@ -115,6 +115,14 @@ def no_weight_is_gathered():
                     re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)}
         check(not gathered & weights, f"{method}: no weight all-gathered ({sorted(gathered & weights)})")
         check(len(re.findall(r" all-reduce\(", hlo)) > 0, f"{method}: tensor parallel (all-reduces present)")
+    # Over `data` alone each device keeps its sequences: the tree's and the round's bookkeeping (row-indexed
+    # gathers and scatters, `_tree.row_get` / `row_set`) gathers no batch; what remains gathered is the few
+    # float rows XLA's CPU top_k takes whole (the drafter's pool, the adapter's children)
+    fn, static, args = _generate._prepare(weaver_jax.shard(BUNDLE, mesh(2, 1)), PROMPTS, "weaver", 10, 0.0, 0, 1.0, 0,
+                                          None, {"budget": 8})
+    hlo = _generate._compiled(fn, static, *args).as_text()  # greedy_equals_unsharded compiled it
+    gathered = re.findall(r"= (\w+)\[[\d,]*\]\S* all-gather\(", hlo)
+    check(not [g for g in gathered if g != "f32"], f"weaver (2, 1): no index or token all-gathered ({gathered})")
 
 
 def training_resumes_on_another_mesh():

@@ -28,7 +28,7 @@ from flax import nnx
 
 from weaver_jax._config import ModelConfig
 from weaver_jax._model import Block, KVCache, SlotVisibility, _param, rms_norm, rope_frequencies, run_blocks
-from weaver_jax._tree import Tree, batched_best_first, chunked_top_k, extend_deepest
+from weaver_jax._tree import Tree, batched_best_first, chunked_top_k, extend_deepest, row_get, row_set
 from weaver_jax.pallas_kernels import kernels_enabled
 
 
@@ -171,12 +171,11 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
     def score(state: WeaverState, tree: Tree, nodes: jax.Array, width: int):
         b, w = nodes.shape
         n = tree.size
-        rows = jnp.arange(b)[:, None]
         with jax.named_scope("node_step"):  # a profile's sub-stages of the tree (bench/round_profile.py)
             parent = jnp.take_along_axis(tree.parent, nodes, axis=1)
-            inherited = jnp.where((parent >= 0)[:, :, None], state.ancestors[rows, jnp.maximum(parent, 0)], False)
+            inherited = jnp.where((parent >= 0)[:, :, None], row_get(state.ancestors, jnp.maximum(parent, 0)), False)
             own = inherited | jax.nn.one_hot(nodes, n, dtype=bool)  # [B, w, N]
-            ancestors = state.ancestors.at[rows, nodes].set(own)
+            ancestors = row_set(state.ancestors, nodes, own)
             if slot_kernel:
                 visible = SlotVisibility(visible_slots(own, prefix_len, max_depth=k))
             else:
@@ -185,11 +184,11 @@ def adapter_children(adapter: Adapter, tables: Tables, pool_ids: jax.Array, pool
             u, cache = adapter.node_states(tables, state.cache, jnp.take_along_axis(tree.tokens, nodes, axis=1),
                                            depth, prefix_len + nodes[:, 0], visible)
         with jax.named_scope("children"):
-            d = jnp.clip(depth, 0, k - 1)[:, :, None]
-            ids = jnp.take_along_axis(pool_ids, d, axis=1)  # [B, w, P]
+            d = jnp.clip(depth, 0, k - 1)
+            ids = row_get(pool_ids, d)  # [B, w, P]
             residual = jnp.einsum("bwpd,bwd->bwp", jnp.take(tables.candidate, ids, axis=0), u,
                                   preferred_element_type=jnp.float32)
-            logp = jax.nn.log_softmax(jnp.take_along_axis(pool_logits, d, axis=1).astype(jnp.float32) + residual, -1)
+            logp = jax.nn.log_softmax(row_get(pool_logits, d).astype(jnp.float32) + residual, -1)
             top, rank = jax.lax.top_k(logp, width)
         return jnp.take_along_axis(ids, rank, axis=2), top, WeaverState(cache, ancestors)
 

@@ -26,7 +26,7 @@ from flax import nnx
 from weaver_jax._adapter import weaver_tree
 from weaver_jax._model import ForwardOutput, KVCache, _write
 from weaver_jax._sampling import Sampling, choose, draw_noise, select
-from weaver_jax._tree import Tree, chain, ddtree
+from weaver_jax._tree import Tree, chain, ddtree, row_add, row_get, row_set
 from weaver_jax.pallas_kernels import kernel_scope, kernels_enabled
 
 METHODS = ("dflash", "ddtree", "weaver")
@@ -249,7 +249,7 @@ def _emit(tokens, num_tokens, new, count, max_new_tokens):
     b, p = new.shape
     cols = num_tokens[:, None] + jnp.arange(p)[None, :]
     cols = jnp.where(jnp.arange(p)[None, :] < count[:, None], cols, max_new_tokens)
-    return tokens.at[jnp.arange(b)[:, None], cols].set(new, mode="drop")
+    return row_set(tokens, cols, new, mode="drop")
 
 
 def _truncate(new, count, eos_ids, room):
@@ -372,7 +372,6 @@ def round_noise(p: _Parts, s: SpecState, keys: jax.Array, sampling: Sampling) ->
 def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> tuple[SpecState, Tree, Acceptance]:
     """One round: draft, build the tree, verify, accept, commit. -> (state, the tree, its acceptance)."""
     b = s.root.shape[0]
-    rows = jnp.arange(b)
     active = ~s.done
     noise = round_noise(p, s, keys, sampling)
     tree, ancestors, verify = _propose_and_verify(p, s, noise, sampling)
@@ -383,7 +382,7 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
 
     new = jnp.take_along_axis(tree.tokens, path, axis=1)  # root first; shift: accepted then bonus
     new = jnp.concatenate([new[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
-    new = new.at[rows, acc.length - 1].set(acc.bonus)
+    new = row_set(new, acc.length - 1, acc.bonus)
     count, hit = _truncate(new, acc.length, eos_ids, max_new_tokens - s.num_tokens)
     count = jnp.where(active, count, 0)
     tokens = _emit(s.tokens, s.num_tokens, new, count, max_new_tokens)
@@ -397,8 +396,8 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     with jax.named_scope("drafter_commit"):
         drafter_cache = p.drafter.commit(s.drafter_cache, features, committed_positions, count)
     cache = p.target.commit(moved, verify.pending, path, count)  # a hybrid target folds its GDN states here
-    histogram = s.histogram.at[rows, acc.length].add(active.astype(jnp.int32))
-    root = jnp.where(active, new[rows, jnp.maximum(count - 1, 0)], s.root)
+    histogram = row_add(s.histogram, acc.length, active.astype(jnp.int32))
+    root = jnp.where(active, row_get(new, jnp.maximum(count - 1, 0)), s.root)
     root_state = s.root_state
     if p.method == "weaver":  # the state of the last accepted node produced the bonus, the next root
         last = jnp.take_along_axis(path, (acc.length - 1)[:, None], axis=1)[:, 0]

@@ -47,6 +47,26 @@ def round_loop(steps: int, body, carry):
     return jax.lax.fori_loop(0, steps, body, carry, unroll=jax.default_backend() == "gpu")
 
 
+def row_get(a: jax.Array, columns: jax.Array) -> jax.Array:
+    """`a[r, columns[r]]` for every row r: a `[B, N, ...]`, columns `[B]` or `[B, W]`. The batch is a batching
+    dimension of the gather, so a batch split over a mesh's `data` axis stays split (indexing with
+    `a[arange(B)[:, None], columns]` makes the rows an index like any other, which XLA's partitioner all-gathers)."""
+    return jax.vmap(lambda row, c: row[c])(a, columns)
+
+
+def row_set(a: jax.Array, columns: jax.Array, values, mode: str | None = None) -> jax.Array:
+    """`a[r, columns[r]] = values[r]` for every row r (`row_get`'s scatter); values broadcast to the columns'
+    shape (and a's trailing dimensions)."""
+    values = jnp.broadcast_to(values, columns.shape + a.shape[2:])
+    return jax.vmap(lambda row, c, v: row.at[c].set(v, mode=mode))(a, columns, values)
+
+
+def row_add(a: jax.Array, columns: jax.Array, values) -> jax.Array:
+    """`a[r, columns[r]] += values[r]` for every row r."""
+    values = jnp.broadcast_to(values, columns.shape + a.shape[2:])
+    return jax.vmap(lambda row, c, v: row.at[c].add(v))(a, columns, values)
+
+
 def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k(x, k)` over the last axis of size V, in two smaller selections: the maxima of
     chunks of about sqrt(V / k) elements, the k chunks with the largest maxima, then the top k of
@@ -122,33 +142,33 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
         parent=jnp.full((b, budget + 1), -1, jnp.int32),
         depth=jnp.zeros((b, budget + 1), jnp.int32),
         valid=jnp.zeros((b, budget + 1), bool).at[:, 0].set(True))
-    rows = jnp.arange(b)
 
     def pop(step, carry):
         tree, f, used = carry
         node = step + 1
         best = jnp.argmax(f["score"], axis=1)
-        score = f["score"][rows, best]
+        score = row_get(f["score"], best)
         ok = score > neg
-        par, dep = f["parent"][rows, best], f["depth"][rows, best]
-        rank, base = f["rank"][rows, best], f["base"][rows, best]
-        token = ids[rows, dep - 1, rank]
+        par, dep = row_get(f["parent"], best), row_get(f["depth"], best)
+        rank, base = row_get(f["rank"], best), row_get(f["base"], best)
+        token = jax.vmap(lambda i, d, r: i[d, r])(ids, dep - 1, rank)
         tree = Tree(tree.tokens.at[:, node].set(jnp.where(ok, token, 0)),
                     tree.parent.at[:, node].set(jnp.where(ok, par, -1)),
                     tree.depth.at[:, node].set(jnp.where(ok, dep, 0)),
                     tree.valid.at[:, node].set(ok))
-        f = {**f, "score": f["score"].at[rows, best].set(neg)}
+        f = {**f, "score": row_set(f["score"], best, neg)}
         sib_ok = ok & (rank + 1 < ranks)
         child_ok = ok & (dep < k)
-        sib_score = jnp.where(sib_ok, base + logp[rows, dep - 1, jnp.minimum(rank + 1, ranks - 1)], neg)
-        child_score = jnp.where(child_ok, score + logp[rows, jnp.minimum(dep, k - 1), 0], neg)
+        at = jax.vmap(lambda lp, d, r: lp[d, r])
+        sib_score = jnp.where(sib_ok, base + at(logp, dep - 1, jnp.minimum(rank + 1, ranks - 1)), neg)
+        child_score = jnp.where(child_ok, score + at(logp, jnp.minimum(dep, k - 1), jnp.zeros_like(dep)), neg)
         for offset, (s, p, d, r, bs) in enumerate([(sib_score, par, dep, rank + 1, base),
                                                     (child_score, jnp.full_like(par, node), dep + 1,
                                                      jnp.zeros_like(rank), score)]):
             slot = used + offset
-            f = {"score": f["score"].at[rows, slot].set(s), "parent": f["parent"].at[rows, slot].set(p),
-                 "depth": f["depth"].at[rows, slot].set(d), "rank": f["rank"].at[rows, slot].set(r),
-                 "base": f["base"].at[rows, slot].set(bs)}
+            f = {"score": f["score"].at[:, slot].set(s), "parent": f["parent"].at[:, slot].set(p),
+                 "depth": f["depth"].at[:, slot].set(d), "rank": f["rank"].at[:, slot].set(r),
+                 "base": f["base"].at[:, slot].set(bs)}
         return tree, f, used + 2
 
     tree, _, _ = round_loop(budget, pop, (tree, frontier, jnp.int32(1)))
@@ -214,7 +234,6 @@ def batched_best_first(root: jax.Array, score_children, state, *, budget: int, c
     r = c if root_children is None else root_children
     n = budget + 1
     f = r + budget * c  # frontier slots
-    rows = jnp.arange(b)[:, None]
     tree = Tree(tokens=jnp.zeros((b, n), jnp.int32).at[:, 0].set(root), parent=jnp.full((b, n), -1, jnp.int32),
                 depth=jnp.zeros((b, n), jnp.int32), valid=jnp.zeros((b, n), bool).at[:, 0].set(True))
 
@@ -224,8 +243,8 @@ def batched_best_first(root: jax.Array, score_children, state, *, budget: int, c
         cum = jnp.take_along_axis(node_score, nodes, axis=1)[:, :, None] + logp
         cum = jnp.where((ok & (node_depth < max_depth))[:, :, None], cum, -jnp.inf)
         slots = jnp.where(ok[:, :, None], first[:, :, None] + jnp.arange(width), f).reshape(b, -1)
-        return (frontier.at[rows, slots].set(cum.reshape(b, -1), mode="drop"),
-                front_tokens.at[rows, slots].set(tokens.reshape(b, -1), mode="drop"), state)
+        return (row_set(frontier, slots, cum.reshape(b, -1), mode="drop"),
+                row_set(front_tokens, slots, tokens.reshape(b, -1), mode="drop"), state)
 
     node_score = jnp.zeros((b, n), jnp.float32)
     root_node = jnp.zeros((b, 1), jnp.int32)
@@ -240,11 +259,11 @@ def batched_best_first(root: jax.Array, score_children, state, *, budget: int, c
         ok = jnp.isfinite(best) & (nodes < n)
         nodes = jnp.minimum(nodes, n - 1)
         parent = jnp.where(slots < r, 0, (slots - r) // c + 1)
-        put = lambda a, v: a.at[rows, jnp.where(ok, nodes, n)].set(v, mode="drop")  # noqa: E731
+        put = lambda a, v: row_set(a, jnp.where(ok, nodes, n), v, mode="drop")  # noqa: E731
         tree = Tree(put(tree.tokens, jnp.take_along_axis(front_tokens, slots, axis=1)), put(tree.parent, parent),
                     put(tree.depth, jnp.take_along_axis(tree.depth, parent, axis=1) + 1), put(tree.valid, ok))
         node_score = put(node_score, best)
-        frontier = frontier.at[rows, jnp.where(ok, slots, f)].set(-jnp.inf, mode="drop")
+        frontier = row_set(frontier, jnp.where(ok, slots, f), -jnp.inf, mode="drop")
         frontier, front_tokens, state = publish(tree, node_score, frontier, front_tokens, state, nodes, ok, c,
                                                 r + (nodes - 1) * c)
         return tree, node_score, frontier, front_tokens, state, count + ok.sum(1)
