@@ -246,7 +246,7 @@ class SpecOutput(NamedTuple):
 
 def _emit(tokens, num_tokens, new, count, max_new_tokens):
     """Write `new [B, P]`'s first `count [B]` tokens after each sequence's `num_tokens`."""
-    b, p = new.shape
+    p = new.shape[1]
     cols = num_tokens[:, None] + jnp.arange(p)[None, :]
     cols = jnp.where(jnp.arange(p)[None, :] < count[:, None], cols, max_new_tokens)
     return row_set(tokens, cols, new, mode="drop")

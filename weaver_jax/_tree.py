@@ -142,6 +142,7 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
         parent=jnp.full((b, budget + 1), -1, jnp.int32),
         depth=jnp.zeros((b, budget + 1), jnp.int32),
         valid=jnp.zeros((b, budget + 1), bool).at[:, 0].set(True))
+    pick = jax.vmap(lambda a, depth, rank: a[depth, rank])  # `a[r, depth[r], rank[r]]` per row, as `row_get`
 
     def pop(step, carry):
         tree, f, used = carry
@@ -151,7 +152,7 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
         ok = score > neg
         par, dep = row_get(f["parent"], best), row_get(f["depth"], best)
         rank, base = row_get(f["rank"], best), row_get(f["base"], best)
-        token = jax.vmap(lambda i, d, r: i[d, r])(ids, dep - 1, rank)
+        token = pick(ids, dep - 1, rank)
         tree = Tree(tree.tokens.at[:, node].set(jnp.where(ok, token, 0)),
                     tree.parent.at[:, node].set(jnp.where(ok, par, -1)),
                     tree.depth.at[:, node].set(jnp.where(ok, dep, 0)),
@@ -159,9 +160,8 @@ def ddtree(root: jax.Array, marginal_logits: jax.Array, budget: int) -> Tree:
         f = {**f, "score": row_set(f["score"], best, neg)}
         sib_ok = ok & (rank + 1 < ranks)
         child_ok = ok & (dep < k)
-        at = jax.vmap(lambda lp, d, r: lp[d, r])
-        sib_score = jnp.where(sib_ok, base + at(logp, dep - 1, jnp.minimum(rank + 1, ranks - 1)), neg)
-        child_score = jnp.where(child_ok, score + at(logp, jnp.minimum(dep, k - 1), jnp.zeros_like(dep)), neg)
+        sib_score = jnp.where(sib_ok, base + pick(logp, dep - 1, jnp.minimum(rank + 1, ranks - 1)), neg)
+        child_score = jnp.where(child_ok, score + pick(logp, jnp.minimum(dep, k - 1), jnp.zeros_like(dep)), neg)
         for offset, (s, p, d, r, bs) in enumerate([(sib_score, par, dep, rank + 1, base),
                                                     (child_score, jnp.full_like(par, node), dep + 1,
                                                      jnp.zeros_like(rank), score)]):
