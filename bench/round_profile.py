@@ -41,11 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
 from e2e import parse_config  # noqa: E402
 from kernel_times import gpu_events  # noqa: E402
+from verify import random_pair  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
 from weaver_jax import _generate, _load  # noqa: E402
-from weaver_jax._adapter import Adapter, AdapterConfig  # noqa: E402
-from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
+from weaver_jax._adapter import Adapter  # noqa: E402
+from weaver_jax._drafter import Drafter  # noqa: E402
 from weaver_jax.pallas_kernels import kernel_scope  # noqa: E402
 
 STAGES = ("drafter", "tree", "verify", "accept", "drafter_commit")
@@ -99,12 +100,7 @@ def bundle_for(args) -> wj.Bundle:
     config = bench.SHAPES[args.random_target](args.dtype or "bfloat16")
     target = bench.random_target(config)
     if args.random_target != "smollm2-135m":  # the shipped pair does not fit: bench/verify.py's random shapes
-        drafter = bench.random_module(lambda: Drafter(DrafterConfig.like(
-            config, num_layers=args.drafter_layers or 5, num_features=args.drafter_layers or 5, block_size=16,
-            mask_token_id=config.vocab_size - 1, dtype=config.dtype), rngs=nnx.Rngs(1)))
-        adapter = bench.random_module(lambda: Adapter(AdapterConfig.like(
-            config, d_rank=1024, num_layers=2, num_heads=8, mlp_dim=4096, K=15, dtype=config.dtype),
-            rngs=nnx.Rngs(2)))
+        drafter, adapter = random_pair(config, drafter_layers=args.drafter_layers or 5)
         return wj.Bundle(target, drafter=drafter, adapter=adapter)
     shipped = _load.SHIPPED_WEIGHTS / "smollm2-135m-instruct"
     part = lambda kind: _load._load_part(Path(getattr(args, kind) or shipped / kind), kind, config.dtype, config)  # noqa: E731

@@ -45,6 +45,19 @@ TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num
                       num_kv_heads=2, head_dim=16, qk_norm=True, family="qwen3")
 
 
+def random_pair(config, *, drafter_layers: int = 5, drafter_features: int | None = None, block: int = 16,
+                adapter_rank: int = 1024, adapter_layers: int = 2, adapter_heads: int | None = None,
+                adapter_mlp: int | None = None) -> tuple[Drafter, Adapter]:
+    """A random DFlash drafter of the target's width and a random Weaver adapter (the shapes this bench prices)."""
+    dconfig = DrafterConfig.like(config, num_layers=drafter_layers, num_features=drafter_features or drafter_layers,
+                                 block_size=block, mask_token_id=config.vocab_size - 1, dtype=config.dtype)
+    aconfig = AdapterConfig.like(config, d_rank=adapter_rank, num_layers=adapter_layers,
+                                 num_heads=adapter_heads or max(1, adapter_rank // 128),
+                                 mlp_dim=adapter_mlp or 4 * adapter_rank, K=block - 1, dtype=config.dtype)
+    return (bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1))),
+            bench.random_module(lambda: Adapter(aconfig, rngs=nnx.Rngs(2))))
+
+
 def random_tree(batch: int, n: int, depth: int, vocab: int, seed: int = 0) -> Tree:
     rng = np.random.default_rng(seed)
     parent, dep = [-1], [0]
@@ -130,14 +143,9 @@ def main():
         setattr(module, name, functools.partial(getattr(module, name), **options))
     config = TINY.replace(dtype=dtype) if args.shape == "tiny" else bench.SHAPES[args.shape](dtype)
     target = bench.random_target(config)
-    dconfig = DrafterConfig.like(config, num_layers=args.drafter_layers,
-                                 num_features=args.drafter_features or args.drafter_layers, block_size=args.block,
-                                 mask_token_id=config.vocab_size - 1, dtype=config.dtype)
-    drafter = bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1)))
-    aconfig = AdapterConfig.like(config, d_rank=args.adapter_rank, num_layers=args.adapter_layers,
-                                 num_heads=args.adapter_heads or max(1, args.adapter_rank // 128),
-                                 mlp_dim=args.adapter_mlp or 4 * args.adapter_rank, K=args.block - 1, dtype=dtype)
-    adapter = bench.random_module(lambda: Adapter(aconfig, rngs=nnx.Rngs(2)))
+    drafter, adapter = random_pair(config, drafter_layers=args.drafter_layers, drafter_features=args.drafter_features,
+                                   block=args.block, adapter_rank=args.adapter_rank, adapter_layers=args.adapter_layers,
+                                   adapter_heads=args.adapter_heads, adapter_mlp=args.adapter_mlp)
     agraphdef, aparams = nnx.split(adapter)
     graphdef, params = nnx.split(target)
     dgraphdef, dparams = nnx.split(drafter)

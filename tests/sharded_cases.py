@@ -95,22 +95,27 @@ def exact_is_bitwise_ar():
     check(tokens(sharded, "weaver", exact=True) == ar, "exact weaver (1, 2) bitwise ar")
 
 
+def compiled_hlo(bundle, method: str, kernels: bool = False) -> str:
+    """The optimized HLO of `tokens(bundle, method)`'s program (compiled by an earlier case: cached)."""
+    from weaver_jax.pallas_kernels import use_kernels
+
+    use_kernels(kernels or None)
+    try:
+        fn, static, args = _generate._prepare(bundle, PROMPTS, method, 10, 0.0, 0, 1.0, 0, None,
+                                              {"budget": 8} if method in ("ddtree", "weaver") else {})
+    finally:
+        use_kernels(None)
+    return _generate._compiled(fn, static, *args).as_text()
+
+
 def no_weight_is_gathered():
     """The compiled decode holds no all-gather whose result is a whole weight matrix: each device multiplies by
     its own columns / rows, and XLA all-reduces activations (weaver: with the kernels, as on a GPU)."""
-    from weaver_jax.pallas_kernels import use_kernels
-
     sharded = weaver_jax.shard(BUNDLE, mesh(2, 2))
     weights = {tuple(w.shape) for m in (BUNDLE.target, BUNDLE.drafter) for w in module_params(m).values()
                if w.ndim == 2}
     for method in ("ar", "weaver"):
-        use_kernels(method == "weaver")  # as greedy_equals_unsharded and kernels_run_per_shard compiled them
-        try:
-            fn, static, args = _generate._prepare(sharded, PROMPTS, method, 10, 0.0, 0, 1.0, 0, None,
-                                                  {} if method == "ar" else {"budget": 8})
-        finally:
-            use_kernels(None)
-        hlo = _generate._compiled(fn, static, *args).as_text()
+        hlo = compiled_hlo(sharded, method, kernels=method == "weaver")  # as greedy / kernels_run_per_shard ran it
         gathered = {tuple(int(d) for d in dims.split(",")) for dims in
                     re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)}
         check(not gathered & weights, f"{method}: no weight all-gathered ({sorted(gathered & weights)})")
@@ -118,9 +123,7 @@ def no_weight_is_gathered():
     # Over `data` alone each device keeps its sequences: the tree's and the round's bookkeeping (row-indexed
     # gathers and scatters, `_tree.row_get` / `row_set`) gathers no batch; what remains gathered is the few
     # float rows XLA's CPU top_k takes whole (the drafter's pool, the adapter's children)
-    fn, static, args = _generate._prepare(weaver_jax.shard(BUNDLE, mesh(2, 1)), PROMPTS, "weaver", 10, 0.0, 0, 1.0, 0,
-                                          None, {"budget": 8})
-    hlo = _generate._compiled(fn, static, *args).as_text()  # greedy_equals_unsharded compiled it
+    hlo = compiled_hlo(weaver_jax.shard(BUNDLE, mesh(2, 1)), "weaver")  # greedy_equals_unsharded compiled it
     gathered = re.findall(r"= (\w+)\[[\d,]*\]\S* all-gather\(", hlo)
     check(not [g for g in gathered if g != "f32"], f"weaver (2, 1): no index or token all-gathered ({gathered})")
 
