@@ -9,6 +9,10 @@ attributed to a stage by the named scope of the HLO instruction it runs (`_specu
 tree, verify, accept, drafter_commit; the rest of the loop body is "loop"; outside the loop, "prefill").
 Rows per stage: GPU busy microseconds and kernels per round (a round of "ar" is a decode step), and per
 configuration the wall time per round: wall minus the busy sum is the time the GPU waited on the host.
+`net_us_per_round` leaves the prefill out: the call's wall less that of the same prompts through `ar`
+with one new token (the prefill alone), per round - a round's cost against `ar`'s step without the
+prefill's share of a short call. `--wall-only` skips the profiled call (walls only, faster);
+`--temperature` times sampled rounds. Rows are written to `--json` as they come.
 `--random-target` replaces the GGUF target by random weights of that shape (speed does not depend on
 weight values with EOS off) beside the shipped SmolLM2 drafter and adapter (with a larger shape: a random
 drafter and adapter of bench/verify.py's shapes, 5 layers and rank 1024; `--drafter-layers N`: a random
@@ -128,6 +132,8 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--wall-only", action="store_true", help="no profiled call: wall times per round only")
     parser.add_argument("--kernel-options", type=json.loads, default={},
                         help='launch options per Pallas kernel, e.g. \'{"weaver_search": {"num_warps": 8}}\'')
     parser.add_argument("--spec-compiler-options", type=json.loads, nargs="+", default=[{}],
@@ -141,63 +147,74 @@ def main():
         setattr(module, name, functools.partial(getattr(module, name), **options))
     bundle = bundle_for(args)
     prompt = np.random.default_rng(0).integers(0, bundle.config.vocab_size, args.prompt_length).tolist()
+
+    def prepare(method, options, max_new_tokens):  # the caches are donated: new arguments for every call
+        method_options = {k: v for k, v in options.items() if k != "exact"}
+        return _generate._prepare(bundle, [prompt] * args.batch, method, max_new_tokens, args.temperature, 0, 1.0, 0,
+                                  [], method_options, exact=options.get("exact", False))
+
+    def timed(fresh):  # fresh() -> (fn, static, args): compiled, warmed up, then one timed call
+        fn, static, call_args = fresh()
+        compiled = _generate._compiled(fn, static, *call_args)
+        jax.block_until_ready(compiled(*call_args))
+        call_args = fresh()[2]
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(compiled(*call_args))
+        return compiled, out, time.perf_counter() - t0
+
+    prefill = timed(functools.partial(prepare, "ar", {}, 1))[2]
+    print(json.dumps(dict(prefill_ms=prefill * 1e3, batch=args.batch, prompt_length=args.prompt_length)), flush=True)
     rows = []
     for config, xla_options in itertools.product(args.config, args.spec_compiler_options):
         method, options, kernels = parse_config(config)
         if method == "ar" and xla_options != args.spec_compiler_options[0]:
             continue
         _generate.COMPILER_OPTIONS["spec"] = xla_options
-        scope = contextlib.nullcontext() if kernels is None else kernel_scope(kernels)
-
-        def fresh(method=method, options=options):  # the caches are donated: new arguments for every call
-            method_options = {k: v for k, v in options.items() if k != "exact"}
-            return _generate._prepare(bundle, [prompt] * args.batch, method, args.max_new_tokens, 0.0, 0, 1.0, 0, [],
-                                      method_options, exact=options.get("exact", False))
-
-        with scope:  # the kernel selection is read when the function is traced
-            fn, static, call_args = fresh()
-            compiled = _generate._compiled(fn, static, *call_args)
-        jax.block_until_ready(compiled(*call_args))  # warm-up
-        call_args = fresh()[2]
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(compiled(*call_args))
-        wall = time.perf_counter() - t0
+        fresh = functools.partial(prepare, method, options, args.max_new_tokens)
+        with contextlib.nullcontext() if kernels is None else kernel_scope(kernels):  # read when traced
+            compiled, out, wall = timed(fresh)
         rounds = int(out.rounds) - (1 if method == "ar" else 0)  # loop iterations (ar counts its prefill)
-        hlo = compiled.as_text()
-        stages = op_stages(hlo)
-        if args.hlo_dir:
-            args.hlo_dir.mkdir(parents=True, exist_ok=True)
-            (args.hlo_dir / (re.sub(r"\W", "_", config) + ".hlo.txt")).write_text(hlo)
-        busy, kernels = collections.defaultdict(float), collections.Counter()
-        events = gpu_events(functools.partial(compiled, *fresh()[2]))
-        unknown, by_kernel = collections.Counter(), collections.defaultdict(lambda: [0, 0.0])
-        for kernel, op, us in events:
-            stage = stages.get(_key(op)) or stages.get(_key(kernel)) or "unattributed"
-            if stage == "unattributed":
-                unknown[kernel, op] += 1
-            busy[stage] += us
-            kernels[stage] += 1
-            name = _key(kernel if not op or op.startswith("command_buffer") else op)  # inside a graph: the kernel's
-            by_kernel[stage, name[:120]][0] += 1
-            by_kernel[stage, name[:120]][1] += us
-        per_round = {s: busy[s] / rounds for s in busy if s != "prefill"}
-        row = dict(config=config, spec_compiler_options=xla_options, batch=args.batch, rounds=rounds,
-                   wall_us_per_round=wall / rounds * 1e6,
-                   busy_us_per_round=sum(per_round.values()),
-                   kernels_per_round=sum(kernels[s] for s in kernels if s != "prefill") / rounds,
-                   stages={s: dict(us=busy[s] / rounds, kernels=kernels[s] / rounds) for s in sorted(busy)},
-                   kernel_options=args.kernel_options,
-                   top_kernels=[(stage, name, n / rounds, us / rounds) for (stage, name), (n, us)
-                                in sorted(by_kernel.items(), key=lambda item: -item[1][1])[:80] if stage != "prefill"],
+        row = dict(config=config, spec_compiler_options=xla_options, batch=args.batch, temperature=args.temperature,
+                   prompt_length=args.prompt_length, rounds=rounds, wall_us_per_round=wall / rounds * 1e6,
+                   net_us_per_round=(wall - prefill) / rounds * 1e6,
                    tokens_per_round=(float(jnp.mean(out.num_tokens)) - 1) / rounds,  # the prefill's token aside
-                   device=jax.devices()[0].device_kind, target="random " + args.random_target if args.random_target
-                   else args.model)
+                   kernel_options=args.kernel_options, device=jax.devices()[0].device_kind,
+                   target="random " + args.random_target if args.random_target else args.model)
+        if not args.wall_only:
+            row.update(profile(compiled, fresh, rounds, args.hlo_dir and args.hlo_dir / re.sub(r"\W", "_", config)))
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
-        if unknown:
-            print("unattributed (kernel, HLO op), most frequent:", unknown.most_common(8), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+
+
+def profile(compiled, fresh, rounds: int, hlo_path: Path | None) -> dict:
+    """One profiled call: GPU busy time and kernels per round and stage, and the costliest kernels."""
+    hlo = compiled.as_text()
+    stages = op_stages(hlo)
+    if hlo_path:
+        hlo_path.parent.mkdir(parents=True, exist_ok=True)
+        hlo_path.with_suffix(".hlo.txt").write_text(hlo)
+    busy, kernels = collections.defaultdict(float), collections.Counter()
+    events = gpu_events(functools.partial(compiled, *fresh()[2]))
+    unknown, by_kernel = collections.Counter(), collections.defaultdict(lambda: [0, 0.0])
+    for kernel, op, us in events:
+        stage = stages.get(_key(op)) or stages.get(_key(kernel)) or "unattributed"
+        if stage == "unattributed":
+            unknown[kernel, op] += 1
+        busy[stage] += us
+        kernels[stage] += 1
+        name = _key(kernel if not op or op.startswith("command_buffer") else op)  # inside a graph: the kernel's
+        by_kernel[stage, name[:120]][0] += 1
+        by_kernel[stage, name[:120]][1] += us
+    if unknown:
+        print("unattributed (kernel, HLO op), most frequent:", unknown.most_common(8), flush=True)
+    per_round = {s: busy[s] / rounds for s in busy if s != "prefill"}
+    return dict(busy_us_per_round=sum(per_round.values()),
+                kernels_per_round=sum(kernels[s] for s in kernels if s != "prefill") / rounds,
+                stages={s: dict(us=busy[s] / rounds, kernels=kernels[s] / rounds) for s in sorted(busy)},
+                top_kernels=[(stage, name, n / rounds, us / rounds) for (stage, name), (n, us)
+                             in sorted(by_kernel.items(), key=lambda item: -item[1][1])[:80] if stage != "prefill"])
 
 
 if __name__ == "__main__":
