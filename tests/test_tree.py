@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import weaver_jax as wj
 from weaver_jax._tree import Tree, batched_best_first, chain, ddtree, marginal_children
 
 
@@ -170,6 +171,30 @@ def test_weaver_widens_the_root_by_default_only_when_sampling():
 
     assert [root(64, False), root(64, True), root(24, True), root(8, True), root(512, True)] == [8, 32, 12, 8, 64]
     assert root(64, True, root_children=5) == 5 and root(64, True, pool_size=20) == 20
+
+
+def test_default_budget_fills_a_tile_on_large_targets_and_shrinks_with_the_batch(monkeypatch):
+    """Below a billion parameters the launch-bound defaults (Weaver 24, DDTree 64) whatever the batch; above,
+    budgets of 16 / 32 / 64 rows, B x (budget + 1) at most 128 (Weaver) or 64 (DDTree); an explicit budget
+    wins, and the default reaches `generate`'s program (its static options) by the batch size it is given."""
+    from weaver_jax import _generate, _speculative
+    from weaver_jax._speculative import LARGE_TARGET_PARAMETERS, default_budget, tree_options
+
+    small, large = LARGE_TARGET_PARAMETERS - 1, LARGE_TARGET_PARAMETERS
+    assert [default_budget(m, b, small) for m in ("weaver", "ddtree") for b in (1, 8)] == [24, 24, 64, 64]
+    assert [default_budget("weaver", b, large) for b in (1, 2, 3, 4, 5, 8, 64)] == [63, 63, 31, 31, 15, 15, 15]
+    assert [default_budget("ddtree", b, large) for b in (1, 2, 3, 8)] == [31, 31, 15, 15]
+    budget = lambda options, batch: tree_options("weaver", options, block_size=16, vocab_size=1000,  # noqa: E731
+                                                 pool_size=64, batch=batch, target_parameters=large)["budget"]
+    assert (budget({}, 8), budget({"budget": 40}, 8)) == (15, 40)
+    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
+        budget({"budget": 0}, 1)
+
+    bundle = wj.testing.random_bundle(seed=0)  # a small target, counted as a large one
+    monkeypatch.setattr(_speculative, "LARGE_TARGET_PARAMETERS", 1)
+    for batch, want in [(1, 63), (8, 15)]:
+        static = _generate._prepare(bundle, [[1, 2, 3]] * batch, "weaver", 4, 0.0, 0, 1.0, 0, [], {})[1]
+        assert dict(static["options"])["budget"] == want
 
 
 def test_batched_best_first_with_one_expansion_per_call_is_ddtree():

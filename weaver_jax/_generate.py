@@ -88,33 +88,72 @@ def ar_generate(
 
 
 def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids, exact):
+    model = nnx.merge(graphdef, params)
+    state = _ar_start(model, cache, prompts, prompt_lengths, keys, max_new_tokens, sampling, eos_ids, exact)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                               lambda s: _ar_step(model, s, keys, max_new_tokens, sampling, eos_ids, exact), state)
+    return AROutput(state.tokens, state.num_tokens, state.step, state.last, state.cache)
+
+
+def _ar_start(model, cache, prompts, prompt_lengths, keys, max_new_tokens, sampling, eos_ids, exact) -> ARState:
+    """The prefill and the first token."""
     b, t = prompts.shape
     if t + max_new_tokens > cache.size:  # necessary even for an empty cache; slots would be clamped
         raise ValueError(f"cache of {cache.size} slots cannot hold prompts of {t} + {max_new_tokens} new tokens")
-    model = nnx.merge(graphdef, params)
     out = model.prefill(prompts, cache, prompt_lengths, logits_rows=(prompt_lengths - 1)[:, None], exact=exact)
-    cache = out.cache
-
     state = ARState(
-        step=jnp.int32(1), last=jnp.zeros((b,), jnp.int32), cache=cache,
+        step=jnp.int32(1), last=jnp.zeros((b,), jnp.int32), cache=out.cache,
         tokens=jnp.full((b, max_new_tokens), -1, jnp.int32),
         num_tokens=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool))
     first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
-    state = _emit(state, first, jnp.ones((b,), bool), eos_ids, max_new_tokens)
+    return _emit(state, first, jnp.ones((b,), bool), eos_ids, max_new_tokens)
 
-    def cond(s: ARState):
-        return ~jnp.all(s.done)
 
-    def body(s: ARState):
-        active = ~s.done
-        o = model(s.last[:, None], s.cache.lengths[:, None], s.cache, exact=exact)
-        cache = model.commit(o.cache, o.pending, jnp.zeros((b, 1), jnp.int32), active.astype(jnp.int32))
-        token = select(o.logits[:, 0], keys, s.step, sampling)
-        s = s._replace(step=s.step + 1, cache=cache)
-        return _emit(s, token, active, eos_ids, max_new_tokens)
+def _ar_step(model, s: ARState, keys, max_new_tokens, sampling, eos_ids, exact) -> ARState:
+    """One decode step of the sequences not done."""
+    active = ~s.done
+    o = model(s.last[:, None], s.cache.lengths[:, None], s.cache, exact=exact)
+    cache = model.commit(o.cache, o.pending, jnp.zeros((s.last.shape[0], 1), jnp.int32), active.astype(jnp.int32))
+    token = select(o.logits[:, 0], keys, s.step, sampling)
+    s = s._replace(step=s.step + 1, cache=cache)
+    return _emit(s, token, active, eos_ids, max_new_tokens)
 
-    state = jax.lax.while_loop(cond, body, state)
-    return AROutput(state.tokens, state.num_tokens, state.step, state.last, state.cache)
+
+_AR_STATIC = ("graphdef", "max_new_tokens", "sampling", "eos_ids", "kernels", "exact")
+
+
+@functools.partial(jax.jit, static_argnames=_AR_STATIC, donate_argnames=("cache",))
+def ar_start(params, cache, prompts, prompt_lengths, keys, *, graphdef, max_new_tokens, sampling=_GREEDY,
+             eos_ids=(), kernels=(), exact=False) -> ARState:
+    """`ar_generate`'s prefill alone (same arguments): -> the state `ar_advance` continues."""
+    with kernel_scope(kernels):
+        return _ar_start(nnx.merge(graphdef, params), cache, prompts, prompt_lengths, keys, max_new_tokens, sampling,
+                         eos_ids, exact)
+
+
+@functools.partial(jax.jit, static_argnames=(*_AR_STATIC, "steps"), donate_argnames=("state",))
+def ar_advance(params, state: ARState, keys, halt, *, graphdef, max_new_tokens, steps: int, sampling=_GREEDY,
+               eos_ids=(), kernels=(), exact=False) -> tuple[ARState, jax.Array]:
+    """Up to `steps` more decode steps of `ar_start`'s state (sequences with `halt [B]` set end first):
+    -> (the state, the tokens emitted by this call `[B, steps]`, -1 past each sequence's count)."""
+    model = nnx.merge(graphdef, params)
+    with kernel_scope(kernels):
+        return advance(state._replace(done=state.done | halt), steps, steps,
+                       lambda s: _ar_step(model, s, keys, max_new_tokens, sampling, eos_ids, exact))
+
+
+def advance(state, iterations: int, width: int, body):
+    """`body` on `state` (a NamedTuple with `tokens [B, T]`, `num_tokens [B]`, `done [B]`) until every sequence
+    is done or `iterations` times: -> (state, the tokens it emitted `[B, width]`, -1 past each one's count)."""
+    def cond(carry):
+        i, s = carry
+        return (i < iterations) & ~jnp.all(s.done)
+
+    before = state.num_tokens
+    _, state = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, body(carry[1])), (jnp.int32(0), state))
+    padded = jnp.pad(state.tokens, ((0, 0), (0, width)), constant_values=-1)
+    window = jax.vmap(lambda row, i: jax.lax.dynamic_slice(row, (i,), (width,)))(padded, before)
+    return state, window
 
 
 def sequence_keys(seed: int | Sequence[int], batch: int) -> jax.Array:
@@ -183,9 +222,9 @@ def _compiled(fn, static: dict, *args):
     return _COMPILED[key]
 
 
-def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool):
+def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool, batch: int):
     """Check the drafter against the target and the method's options (their defaults for sampled
-    decoding when `sampled`); -> (options, tree nodes)."""
+    decoding when `sampled`, and for this batch size and target); -> (options, tree nodes)."""
     from weaver_jax._speculative import tree_options
 
     if bundle.drafter is None:
@@ -201,8 +240,9 @@ def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool)
         bundle.adapter.config.check_target(bundle.target.config)
         adapter_limits = dict(pool_size=min(bundle.adapter.config.candidate_pool_size, dconfig.vocab_size),
                               max_depth=bundle.adapter.config.K)
+    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(bundle.target, nnx.Param)))
     options = tree_options(method, method_options, block_size=dconfig.block_size, vocab_size=dconfig.vocab_size,
-                           sampled=sampled, **adapter_limits)
+                           sampled=sampled, batch=batch, target_parameters=parameters, **adapter_limits)
     nodes = options["budget"] + 1 if "budget" in options else options["depth"] + 1
     return options, nodes
 
@@ -245,7 +285,7 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {config.max_seq_len} tokens")
     if method != "ar":
-        options, nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy)
+        options, nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy, len(prompts))
 
     if pad_to is None:
         padded_len = _round_up(longest, 32)
@@ -288,29 +328,39 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
 def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
              eos_token_id: int | Sequence[int] | None = None, pad_to: int | None = None, exact: bool = False,
-             **method_options) -> GenerateResult:
+             stop: str | Sequence[str] | None = None, **method_options) -> GenerateResult:
     """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
 
-    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option
-    `budget`, default 64) or "weaver" (options `budget` (24), `children_per_node` (8), `root_children`
-    (the root's: `children_per_node`; sampling, where the first token is often outside a node's top
-    8: budget // 2, at least `children_per_node`, at most `pool_size`),
-    `expansions_per_call` (min(8, ceil(budget / 3))), `pool_size` (64, at most the adapter's),
-    `marginal_tail` (min(8, budget // 6): nodes of the budget that continue the deepest node along
-    the drafter's argmax, at no adapter call; 0: none)); every speculative method takes `depth` (the
-    deepest tree level): they emit exactly what "ar" would, greedy or sampled with the same seed (up
-    to rounding differences between a tree's and a step's logits, which can flip a near-tie; with
-    `exact=True` none: the target's numbers for a token do not depend on how many tokens it is
-    computed with, so every method's output is bitwise `ar`'s with `exact=True`, in any dtype, at
-    some cost in speed (BENCHMARKS.md)).
-    eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. seed: an int (sequence i
+    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option `budget`) or
+    "weaver" (options `budget`, `children_per_node` (8), `root_children` (the root's:
+    `children_per_node`; sampling, where the first token is often outside a node's top 8: budget // 2,
+    at least `children_per_node`, at most `pool_size`), `expansions_per_call` (min(8, ceil(budget /
+    3))), `pool_size` (64, at most the adapter's), `marginal_tail` (min(8, budget // 6): nodes of the
+    budget that continue the deepest node along the drafter's argmax, at no adapter call; 0: none)). The
+    default budget: DDTree 64, Weaver 24; for a target of 1B parameters or more, trees that fill a
+    product tile, smaller as the batch grows (Weaver 63 at batch 1-2, 31 at 3-4, else 15; DDTree 31 at
+    1-2, else 15). Every speculative method takes `depth` (the deepest tree level): they emit exactly
+    what "ar" would, greedy or sampled with the same seed (up to rounding differences between a tree's
+    and a step's logits, which can flip a near-tie; with `exact=True` none: the target's numbers for a
+    token do not depend on how many tokens it is computed with, so every method's output is bitwise
+    `ar`'s with `exact=True`, in any dtype, at some cost in speed (BENCHMARKS.md)).
+    eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. stop: a string or strings (needs
+    the bundle's tokenizer): a sequence ends with the token that completes the first one in its text
+    (the rounds then run a few per call, `weaver_jax.stream`'s loop). seed: an int (sequence i
     uses `fold_in(key(seed), i)`) or one seed per prompt. pad_to: the padded prompt length (default:
     the longest prompt rounded up to 32); calls with the same batch size, pad_to and options share
     one compilation whatever their prompts' lengths. Returns `.tokens` and `.stats`
-    (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`; speculative
-    methods add `mean_accepted_length`, `accepted_length_histogram`, and per prompt
-    `sequence_verifications` and `sequence_accepted_tokens`).
+    (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`, `finish_reasons` per
+    prompt: "stop" (EOS or a stop string) or "length"; speculative
+    methods add `mean_accepted_length`, `accepted_length_histogram`, `options` (the method's options
+    as run, defaults filled in), and per prompt `sequence_verifications` and `sequence_accepted_tokens`).
     """
+    if stop is not None:  # the text decides where a sequence ends: rounds a few at a time, read as they come
+        from weaver_jax._stream import generate_with_stop
+
+        return generate_with_stop(bundle, prompts, stop=stop, max_new_tokens=max_new_tokens, method=method,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                  eos_token_id=eos_token_id, pad_to=pad_to, exact=exact, **method_options)
     fn, static, args = _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed,
                                 eos_token_id, method_options, pad_to=pad_to, exact=exact)
     t0 = time.perf_counter()
@@ -323,9 +373,19 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     real = len(prompts)  # a sharded bundle's batch may hold copies past them
     counts = np.asarray(out.num_tokens)[:real]
     tokens = np.asarray(out.tokens)[:real]
-    new_tokens = int(counts.sum())
-    stats = dict(rounds=int(out.rounds), new_tokens=new_tokens, seconds=seconds,
-                 tokens_per_second=new_tokens / seconds, compile_seconds=t1 - t0)
+    tokens = [tokens[i, : counts[i]].tolist() for i in range(len(counts))]
+    eos_ids = static["eos_ids"]
+    reasons = ["stop" if t and t[-1] in eos_ids else "length" for t in tokens]
+    return GenerateResult(tokens, run_stats(out, method, tokens, seconds, t1 - t0, static, real, reasons))
+
+
+def run_stats(out, method: str, tokens: list[list[int]], seconds: float, compile_seconds: float, static: dict,
+              real: int, finish_reasons: list[str]) -> dict:
+    """`generate`'s stats from the loop's final state or output (`real`: the caller's sequences of its batch)."""
+    new_tokens = sum(len(t) for t in tokens)
+    rounds = int(out.rounds if hasattr(out, "rounds") else out.step)
+    stats = dict(rounds=rounds, new_tokens=new_tokens, seconds=seconds, tokens_per_second=new_tokens / seconds,
+                 compile_seconds=compile_seconds, finish_reasons=finish_reasons)
     if method != "ar":
         per_sequence = np.asarray(out.histogram)[:real]  # [B, K + 2]: rounds by tokens emitted
         histogram = per_sequence.sum(0)
@@ -336,8 +396,9 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
         # tau: tokens emitted per verification, bonus included (the prefill's first token excluded)
         stats["mean_accepted_length"] = float((histogram * np.arange(len(histogram))).sum() / max(verifications, 1))
         stats["accepted_length_histogram"] = histogram.tolist()
-        stats["rounds"] = int(out.rounds) + 1  # + the prefill, as for "ar"
-    return GenerateResult([tokens[i, : counts[i]].tolist() for i in range(len(counts))], stats)
+        stats["rounds"] = rounds + 1  # + the prefill, as for "ar"
+        stats["options"] = dict(static["options"])  # the method's options, defaults filled in
+    return stats
 
 
 def proposal_tree(bundle, prompt, *, method: str = "weaver", temperature: float = 0.0, top_k: int = 0,

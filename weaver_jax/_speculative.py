@@ -33,16 +33,33 @@ METHODS = ("dflash", "ddtree", "weaver")
 _GREEDY = Sampling()
 MAX_BUDGET = 4096
 DEFAULT_BUDGET = {"ddtree": 64, "weaver": 24}  # weaver: the measured best at B = 1 on an H200 (BENCHMARKS.md)
+# A target of a billion parameters or more streams gigabytes a step, so a tree costs its rows, not its kernel
+# launches: budgets whose node count fills a 16 / 32 / 64-row product tile, smaller as the batch grows (on an
+# H200 at the Qwen3-8B and Qwen3.6-27B shapes, BENCHMARKS.md "projected speedup at scale": Weaver 63 at B = 1,
+# 15 at B = 8; DDTree 31 and 15)
+LARGE_TARGET_PARAMETERS = 10**9
+_LARGE_BUDGETS = {"weaver": (63, 31, 15), "ddtree": (31, 15)}  # the largest whose rows B x (budget + 1) fit
+_LARGE_ROWS = {"weaver": 128, "ddtree": 64}
+
+
+def default_budget(method: str, batch: int = 1, target_parameters: int = 0) -> int:
+    """The tree budget `generate` uses when none is given, for this batch size and target size."""
+    if target_parameters < LARGE_TARGET_PARAMETERS:
+        return DEFAULT_BUDGET[method]
+    budgets = _LARGE_BUDGETS[method]
+    return next((b for b in budgets if batch * (b + 1) <= _LARGE_ROWS[method]), budgets[-1])
 # Weaver's candidates per depth: the pool only bounds what may be proposed, and its top-k is the round's costliest
 # selection; 64 of the shipped adapter's 512 cost 1% of greedy τ and measured fastest on an H200 (BENCHMARKS.md)
 DEFAULT_POOL = 64
 
 
 def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int, pool_size: int = 0,
-                 max_depth: int | None = None, sampled: bool = False) -> dict:
+                 max_depth: int | None = None, sampled: bool = False, batch: int = 1,
+                 target_parameters: int = 0) -> dict:
     """Validate a method's options against the drafter (its block size and vocabulary) and, for
     "weaver", the adapter (its pool size, which caps the default `pool_size`, and max depth);
-    returns the static options of the round (`sampled`: their defaults for sampled decoding).
+    returns the static options of the round (`sampled`: their defaults for sampled decoding; `batch` and
+    `target_parameters` pick the default budget, `default_budget`).
     Every method takes `depth`: the deepest tree node (default and maximum: block_size - 1, and the
     adapter's K for "weaver"); the drafter projects only that many positions to the vocabulary."""
     deepest = block_size - 1 if max_depth is None else min(block_size - 1, max_depth)
@@ -58,7 +75,7 @@ def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int
         if options:
             raise TypeError(f"method 'dflash' takes no options besides block_size and depth, got {sorted(options)}")
         return {"depth": depth}
-    budget = options.pop("budget", DEFAULT_BUDGET[method])
+    budget = options.pop("budget") if "budget" in options else default_budget(method, batch, target_parameters)
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget must be an integer >= 1, got {budget!r}")
     branching = vocab_size
@@ -431,6 +448,34 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
                                    lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0], state)
     return SpecOutput(state.tokens, state.num_tokens, state.rounds, state.seq_rounds, state.histogram,
                       state.cache, state.drafter_cache)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "drafter_cache"))
+def spec_start(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
+               adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
+               options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
+               eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (), exact: bool = False) -> SpecState:
+    """`spec_generate`'s prefill alone (same arguments): -> the state `spec_advance` continues."""
+    with kernel_scope(kernels):
+        p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
+                   options, exact)
+        return _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "rounds"), donate_argnames=("state",))
+def spec_advance(params, drafter_params, state: SpecState, keys, halt, adapter_params=None, *, graphdef,
+                 drafter_graphdef, adapter_graphdef=None, method: str, options: tuple = (), max_new_tokens: int,
+                 rounds: int, sampling: Sampling = _GREEDY, eos_ids: tuple[int, ...] = (),
+                 kernels: tuple[str, ...] = (), exact: bool = False) -> tuple[SpecState, jax.Array]:
+    """Up to `rounds` more rounds of `spec_start`'s state (sequences with `halt [B]` set end first):
+    -> (the state, the tokens emitted by this call `[B, rounds x (depth + 1)]`, -1 past each one's count)."""
+    from weaver_jax._generate import advance
+
+    with kernel_scope(kernels):
+        p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
+                   options, exact)
+        return advance(state._replace(done=state.done | halt), rounds, rounds * (p.depth + 1),
+                       lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0])
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -10,6 +10,7 @@ from weaver_jax._drafter import Drafter, random_drafter_config
 from weaver_jax._hybrid import qwen_layer_types, random_hybrid
 from weaver_jax._load import Bundle
 from weaver_jax._model import Transformer
+from weaver_jax._tokenizer import Tokenizer
 
 
 def random_config(*, vocab_size: int = 128, hidden_size: int = 64, intermediate_size: int = 96,
@@ -51,11 +52,33 @@ def random_target(config: ModelConfig, seed: int = 0) -> Transformer:
     return model
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_tokenizer(vocab_size: int = 128) -> Tokenizer:
+    """A tokenizer for random targets: ids 0-1 the control tokens <|im_start|> and <|im_end|> (an end of
+    generation), then one byte each - newline, printable ASCII, the bytes of "é" and "€", other bytes >= 0x80
+    (so random output meets characters split over tokens, and invalid UTF-8) - and a ChatML template."""
+    if vocab_size < 98:
+        raise ValueError(f"vocab_size must be >= 98 (2 control tokens, newline, printable ASCII), got {vocab_size}")
+    printable = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    byte_char = dict(zip(printable, map(chr, printable), strict=True))  # GPT-2's byte-level alphabet
+    byte_char |= {b: chr(0x100 + n) for n, b in enumerate(b for b in range(256) if b not in byte_char)}
+    split = [0xC3, 0xA9, 0xE2, 0x82, 0xAC]  # "é" and "€" over 2 and 3 tokens
+    ids = [0x0A, *range(0x20, 0x7F), *split, *(b for b in range(0x80, 0x100) if b not in split)][: vocab_size - 2]
+    tokens = ["<|im_start|>", "<|im_end|>", *(byte_char[b] for b in ids)]
+    return Tokenizer.from_bpe(tokens, [], [3, 3] + [1] * len(ids), "default", bos_token_id=None, eos_token_ids=[1],
+                              chat_template=CHAT_TEMPLATE)
+
+
 def random_bundle(seed: int = 0, *, eos_token_ids: tuple[int, ...] = (), drafter: bool = True,
-                  block_size: int = 8, drafter_layers: int = 2, family: str = "llama", **config_options) -> Bundle:
+                  block_size: int = 8, drafter_layers: int = 2, family: str = "llama", tokenizer: bool = False,
+                  **config_options) -> Bundle:
     """A bundle with a small random target and, unless `drafter=False`, a random drafter and a random
     Weaver adapter for it. family "llama" / "qwen2" / "qwen3": `random_config` options; "qwen3_5": a
-    hybrid Gated DeltaNet target (`random_hybrid_config` options: by default both layer kinds)."""
+    hybrid Gated DeltaNet target (`random_hybrid_config` options: by default both layer kinds). tokenizer:
+    a `byte_tokenizer` of the target's vocabulary (EOS ids stay `eos_token_ids`)."""
     if family == "qwen3_5":
         target = random_hybrid(seed, **random_hybrid_config(**config_options))
     else:
@@ -65,7 +88,8 @@ def random_bundle(seed: int = 0, *, eos_token_ids: tuple[int, ...] = (), drafter
         dconfig = random_drafter_config(target.config, num_layers=drafter_layers, block_size=block_size)
         draft = Drafter(dconfig, rngs=nnx.Rngs(seed + 7))
         adapt = Adapter(random_adapter_config(target.config, depth=block_size - 1), rngs=nnx.Rngs(seed + 11))
-    return Bundle(target, drafter=draft, adapter=adapt, eos_token_ids=tuple(eos_token_ids), name=f"random-{seed}")
+    return Bundle(target, byte_tokenizer(target.config.vocab_size) if tokenizer else None, drafter=draft,
+                  adapter=adapt, eos_token_ids=tuple(eos_token_ids), name=f"random-{seed}")
 
 
 def float32_copy(target: Transformer) -> Transformer:
