@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTHON_CANDIDATES := python3.12 python3.13 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) \
 	$(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) python3
-EXTRAS ?= model,dev,notebooks
+EXTRAS ?= model,serve,dev,notebooks
 
 .PHONY: demo test test-slow test-gpu lint clean notebooks notebooks-sync
 

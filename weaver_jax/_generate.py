@@ -114,7 +114,7 @@ def _ar_step(model, s: ARState, keys, max_new_tokens, sampling, eos_ids, exact) 
     active = ~s.done
     o = model(s.last[:, None], s.cache.lengths[:, None], s.cache, exact=exact)
     cache = model.commit(o.cache, o.pending, jnp.zeros((s.last.shape[0], 1), jnp.int32), active.astype(jnp.int32))
-    token = select(o.logits[:, 0], keys, s.step, sampling)
+    token = select(o.logits[:, 0], keys, s.num_tokens, sampling)  # per sequence: a batch's rows may start apart
     s = s._replace(step=s.step + 1, cache=cache)
     return _emit(s, token, active, eos_ids, max_new_tokens)
 

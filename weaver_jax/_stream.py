@@ -10,10 +10,12 @@ that may still become a stop string) and finds where a stop string ends it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -80,10 +82,18 @@ class Run:
 
     def __init__(self, bundle, prompts, *, method: str, max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, eos_token_id=None, pad_to=None, exact=False, rounds_per_call: int | None = None,
-                 **method_options):
+                 caches: tuple | None = None, **method_options):
         fn, static, args = _generate._prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
                                               seed, eos_token_id, method_options, pad_to=pad_to, exact=exact)
         plain = method == "ar"
+        if caches is not None:  # a conversation's: the prompts are prefilled after what they already hold
+            at = slice(1, 2) if plain else slice(2, 4)
+            for cache, fresh in zip(caches, args[at], strict=True):
+                used = int(np.max(cache.lengths))
+                if used + fresh.size > cache.size:
+                    raise ValueError(f"a cache of {cache.size} slots holding {used} has no room for the {fresh.size} "
+                                     "this call needs")
+            args[at] = list(caches)
         rounds = DEFAULT_ROUNDS_PER_CALL["ar" if plain else "spec"] if rounds_per_call is None else rounds_per_call
         if not isinstance(rounds, int) or rounds < 1:
             raise ValueError(f"rounds_per_call must be a positive integer, got {rounds!r}")
@@ -107,6 +117,10 @@ class Run:
         self.first = [int(t) for t in np.asarray(self.state.tokens)[:, 0]]
         self.start_seconds = time.perf_counter() - t0
         self.seconds = 0.0
+
+    def generated(self, i: int) -> list[int]:
+        """Sequence i's tokens as the newest state holds them (the device may be a call ahead of the chunks read)."""
+        return np.asarray(self.state.tokens)[i, : int(np.asarray(self.state.num_tokens)[i])].tolist()
 
     def halt(self, i: int) -> None:
         self.halted[i] = True
@@ -151,6 +165,92 @@ class Run:
         """`generate`'s stats for this run's tokens (rounds as run on the device)."""
         return _generate.run_stats(self.state, self.method, tokens, self.seconds + self.start_seconds, 0.0,
                                    self.static, self.real, finish_reasons)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert_row(state, one, row):
+    """`state` (a batch's loop state) with row `row` replaced by `one`'s only row (a batch of one, prefilled);
+    scalars (loop counters) stay the batch's."""
+    return jax.tree.map(lambda big, small: big if big.ndim == 0 else
+                        jax.lax.dynamic_update_index_in_dim(big, small[0], row, 0), state, one)
+
+
+class Slots:
+    """Continuous batching over the static-shape loop: `size` rows of one set of settings, each free or held by
+    a sequence; `insert` prefills a prompt into a free row between calls (its own seed, its own start: its
+    tokens are those `generate` gives it alone), `step` runs a call and returns what the previous one emitted,
+    per row, with the occupant each row had when that call went out (the next call is already on its way)."""
+
+    def __init__(self, bundle, size: int, *, method: str, max_new_tokens: int, context: int, temperature=0.0,
+                 top_k=0, top_p=1.0, exact=False, rounds_per_call: int | None = None, **method_options):
+        self.bundle, self.size, self.method, self.context = bundle, size, method, context
+        self.settings = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, exact=exact, method_options=method_options)
+        plain = method == "ar"
+        self._at = (1, 4) if plain else (2, 6)  # where _prepare's args hold the caches and the keys
+        fn, self.static, args = self._prepare([[0]] * size, [0] * size)
+        self.keys = args[self._at[1]]
+        rounds = rounds_per_call or DEFAULT_ROUNDS_PER_CALL["ar" if plain else "spec"]
+        from weaver_jax._speculative import spec_advance, spec_start
+
+        self._start = _generate.ar_start if plain else spec_start
+        if plain:
+            self._advance = lambda s, keys, halt: _generate.ar_advance(args[0], s, keys, halt, steps=rounds,
+                                                                       **self.static)
+        else:
+            self._advance = lambda s, keys, halt: spec_advance(*args[:2], s, keys, halt, *args[7:], rounds=rounds,
+                                                               **self.static)
+        with _generate._mesh_scope(bundle):
+            state = self._start(*args, **self.static)
+        self.state = state._replace(done=jnp.ones_like(state.done))  # every row free
+        self.occupant: list = [None] * size
+        self.halted = np.ones((size,), bool)
+        self._pending = None  # (the call's output, the occupants it ran for)
+        self._first: dict = {}  # row -> the prefill's first token (an array), for the next step to report
+
+    def _prepare(self, prompts, seeds, pad_to=None):
+        s = self.settings
+        fn, static, args = _generate._prepare(self.bundle, prompts, s["method"], s["max_new_tokens"],
+                                              s["temperature"], s["top_k"], s["top_p"], seeds, None,
+                                              s["method_options"], pad_to=pad_to, exact=s["exact"])
+        caches = (self.bundle.target.init_cache(len(prompts), self.context),) + (
+            () if s["method"] == "ar" else (self.bundle.drafter.init_cache(len(prompts), self.context),))
+        first = self._at[0]
+        args[first:first + len(caches)] = list(caches)
+        return fn, static, args
+
+    def free(self) -> list[int]:
+        return [i for i, o in enumerate(self.occupant) if o is None]
+
+    def insert(self, row: int, occupant, prompt: list[int], seed: int, pad_to: int) -> None:
+        """Prefill `prompt` into free row `row` for `occupant`; its first token comes with the next `step`."""
+        _, _, args = self._prepare([prompt], [seed], pad_to=pad_to)
+        with _generate._mesh_scope(self.bundle):
+            one = self._start(*args, **self.static)
+            self.state = insert_row(self.state, one, row)
+        self.keys = self.keys.at[row].set(args[self._at[1]][0])
+        self.occupant[row], self.halted[row] = occupant, False
+        self._first[row] = one.tokens
+
+    def release(self, row: int) -> None:
+        """Row `row`'s sequence has ended (or its client has gone): the row stops and is free for the next."""
+        self.occupant[row], self.halted[row] = None, True
+
+    def step(self) -> list[tuple[object, list[int]]]:
+        """Send the next call; -> what the previous call emitted: (occupant, new tokens) per row it ran for (a row
+        inserted since opens with its prefill's first token)."""
+        firsts, self._first = self._first, {}
+        out = None
+        if self._pending is not None:
+            (_, window), occupants = self._pending
+            window = np.asarray(window)
+            out = [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
+        with _generate._mesh_scope(self.bundle):
+            call = self._advance(self.state, self.keys, jnp.asarray(self.halted))
+        self.state = call[0]
+        self._pending = (call, list(self.occupant))
+        opened = [(self.occupant[row], [int(np.asarray(tokens)[0, 0])]) for row, tokens in firsts.items()]
+        return opened + (out or [])
 
 
 def finish_reason(tokens: list[int], eos_ids, max_new_tokens: int, stopped: bool = False) -> str:

@@ -2,6 +2,8 @@
 
     weaver-jax generate "What is the capital of France?" --max-new-tokens 64
     weaver-jax generate --ids 1,4093,198 --model path/to/model.gguf --json
+    weaver-jax chat --method weaver                   # a chat in the terminal, answers streamed
+    weaver-jax serve --port 8000                      # OpenAI-compatible: /v1/chat/completions, /v1/completions
 
 Training a drafter and an adapter for a target (each step resumes where an interrupted run stopped):
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,9 +42,19 @@ def _generate(args) -> int:
         ids = bundle.tokenizer.encode(args.prompt)
     else:
         ids = bundle.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    result = weaver_jax.generate(
-        bundle, [ids], method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    options = dict(method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, **_method_options(args))
+    stream = sys.stdout.isatty() if args.stream is None else args.stream
+    if stream and not args.json and bundle.tokenizer is not None:
+        chunks = weaver_jax.stream(bundle, ids, **options)
+        for chunk in chunks:
+            print(chunk.text, end="", flush=True)
+        print()
+        s = chunks.stats
+        print(f"[{s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tokens/s with compilation, "
+              f"{s['rounds']} rounds]", file=sys.stderr)
+        return 0
+    result = weaver_jax.generate(bundle, [ids], **options)
     tokens = result.tokens[0]
     text = bundle.tokenizer.decode(tokens, skip_special_tokens=True) if bundle.tokenizer else None
     if args.json:
@@ -51,6 +64,31 @@ def _generate(args) -> int:
         s = result.stats
         print(f"[{s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tokens/s, "
               f"{s['rounds']} rounds, compile {s['compile_seconds']:.1f}s]", file=sys.stderr)
+    return 0
+
+
+def _method_options(args) -> dict:
+    return {} if args.budget is None else {"budget": args.budget}
+
+
+def _chat(args) -> int:
+    from weaver_jax._chat import Conversation, repl
+
+    bundle = weaver_jax.load(args.model, dtype=args.dtype)
+    conversation = Conversation(bundle, method=args.method, max_new_tokens=args.max_new_tokens, context=args.context,
+                                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                **_method_options(args))
+    repl(conversation)
+    return 0
+
+
+def _serve(args) -> int:
+    from weaver_jax._serve import serve
+
+    bundle = weaver_jax.load(args.model, dtype=args.dtype)
+    serve(bundle, host=args.host, port=args.port, model_name=args.model, method=args.method,
+          max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
+          api_key=args.api_key or os.environ.get("WEAVER_JAX_API_KEY"), **_method_options(args))
     return 0
 
 
@@ -284,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompt", nargs="?", help="prompt text (chat-templated unless --raw)")
     g.add_argument("--ids", help="comma-separated prompt token ids instead of text")
     g.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf file or HF directory")
-    g.add_argument("--method", default="ar")
+    g.add_argument("--method", default="ar", choices=["ar", "dflash", "ddtree", "weaver"])
+    g.add_argument("--budget", type=int, help="the tree's nodes (ddtree, weaver; default: the method's)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -293,6 +332,32 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     g.add_argument("--raw", action="store_true", help="encode the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the text as it is generated (default: when the output is a terminal)")
+
+    p = sub.add_parser("chat", help="a multi-turn chat in the terminal (the conversation's KV cache kept)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf file or HF directory")
+    p.add_argument("--method", default="weaver", choices=["ar", "dflash", "ddtree", "weaver"])
+    p.add_argument("--budget", type=int, help="the tree's nodes (ddtree, weaver; default: the method's)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="per answer")
+    p.add_argument("--context", type=int, help="the conversation's tokens (default: the model's, at most 4096)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf file or HF directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--method", default="weaver", choices=["ar", "dflash", "ddtree", "weaver"],
+                   help="the default method (a request may name its own, or send speculative: false)")
+    p.add_argument("--budget", type=int, help="the default method's tree budget")
+    p.add_argument("--max-batch", type=int, default=8, help="requests run together at most (the batch's slots)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (then 429)")
+    p.add_argument("--context", type=int, help="tokens per slot (default: the model's, at most 8192)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set WEAVER_JAX_API_KEY)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
 
     p = sub.add_parser("train-prompts", help="CPU: the training prompt mix and the evaluation prompt sets")
     p.add_argument("out", help="directory for prompts.json and eval_prompts.json")
@@ -349,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
 
     args = parser.parse_args(argv)
-    commands = {"generate": _generate, "train-prompts": _train_prompts, "train-data": _train_data,
-                "train-drafter": _train_drafter, "train-adapter": _train_adapter, "train-export": _train_export}
+    commands = {"generate": _generate, "chat": _chat, "serve": _serve, "train-prompts": _train_prompts,
+                "train-data": _train_data, "train-drafter": _train_drafter, "train-adapter": _train_adapter,
+                "train-export": _train_export}
     try:
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:

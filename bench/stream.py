@@ -1,0 +1,69 @@
+"""What streaming costs: tokens/s of `weaver_jax.stream` (chunks read as they come) against `generate` (one
+jitted loop), same prompt, settings and tokens, at several `rounds_per_call`.
+
+    python bench/stream.py --methods ar weaver --rounds 1 4 8 --max-new-tokens 128 --json out.json
+
+The real SmolLM2 pair (or `--model`), EOS off, one chat prompt; everything compiled first; the median of
+`--repeats` timed runs each; time to the first chunk too. A stream's tokens must equal generate's (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import weaver_jax as wj  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--methods", nargs="+", default=["ar", "weaver"])
+    parser.add_argument("--rounds", type=int, nargs="+", default=[1, 4, 8], help="rounds_per_call values")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bundle = wj.load(args.model)
+    message = {"role": "user", "content": "Write a short story about a lighthouse."}
+    prompt = bundle.tokenizer.apply_chat_template([message])
+    options = dict(max_new_tokens=args.max_new_tokens, eos_token_id=[])
+    rows = []
+    for method in args.methods:
+        want = wj.generate(bundle, [prompt], method=method, **options)  # compiled here
+
+        def timed_generate(method=method):
+            return wj.generate(bundle, [prompt], method=method, **options).stats["seconds"]
+
+        def timed_stream(rounds, method=method, want=want):
+            t0 = time.perf_counter()
+            stream = wj.stream(bundle, prompt, method=method, rounds_per_call=rounds, **options)
+            first = None
+            for _ in stream:
+                first = first or time.perf_counter() - t0
+            assert stream.tokens == want.tokens[0], "a stream emitted other tokens than generate"
+            return time.perf_counter() - t0, first
+
+        base = statistics.median(timed_generate() for _ in range(args.repeats))
+        for rounds in args.rounds:
+            timed_stream(rounds)  # compiled here
+            runs = [timed_stream(rounds) for _ in range(args.repeats)]
+            seconds = statistics.median(r[0] for r in runs)
+            rows.append(dict(method=method, rounds_per_call=rounds, generate_seconds=base, stream_seconds=seconds,
+                             stream_vs_generate=base / seconds,
+                             first_chunk_ms=statistics.median(r[1] for r in runs) * 1e3, tokens=len(want.tokens[0]),
+                             device=jax.devices()[0].device_kind))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

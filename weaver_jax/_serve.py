@@ -1,0 +1,357 @@
+"""An OpenAI-compatible HTTP server (`weaver-jax serve`): Starlette routes over one generation thread.
+
+`Engine` owns the device. Requests wait in a queue; each wave takes the waiting requests that can share a
+program (the same method, options, temperature, top-p and exact mode) - up to `max_batch` - and runs them as one
+batch through `_stream.Run`, speculation on: every request gets its tokens as the rounds complete, ends at its
+own `max_tokens`, stop string or EOS (halted there while the others go on), and a client that goes away is
+halted too. Batch sizes (1, 2, 4, ...), prompt lengths and `max_tokens` are rounded up to buckets, so a few
+programs serve every request; a request's tokens do not depend on its bucket (a sequence is its own: greedy
+output is `generate`'s for that prompt, sampled output `generate(..., seed=[seed])`'s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from weaver_jax._stream import Slots, Text, check_stop, finish_reason
+
+MAX_TOKENS_DEFAULT = 256
+METHODS = ("ar", "dflash", "ddtree", "weaver")
+
+
+class RequestError(ValueError):
+    """A request the server refuses (HTTP `status`), with the parameter it is about."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+@dataclasses.dataclass
+class Job:
+    """One request's generation: what to run and, as it runs, its events (`("text", str, n_tokens)`,
+    then `("end", finish_reason, completion_tokens)`, or `("error", message, 0)`)."""
+
+    prompt: list[int]
+    max_tokens: int
+    settings: tuple  # what a batch must share: (method, options, temperature, top_p, exact)
+    seed: int
+    stop: tuple[str, ...]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+
+    def send(self, *event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def _bucket(n: int, smallest: int) -> int:
+    return max(smallest, 1 << (n - 1).bit_length())
+
+
+class Engine:
+    """The generation thread: `submit` queues a job (`queue.Full` past `max_queue` waiting); the thread keeps
+    `max_batch` slots of one set of settings running and moves waiting jobs of those settings into free slots
+    between calls; jobs of other settings wait until the slots drain. `batch_sizes` records the rows in use per
+    call (for tests and stats)."""
+
+    def __init__(self, bundle, *, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
+                 start: bool = True):
+        self.bundle, self.max_batch = bundle, max_batch
+        self.context = context or min(bundle.config.max_seq_len, 8192)
+        self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.batch_sizes: list[int] = []
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        threading.Thread(target=self._loop, daemon=True, name="weaver-jax-engine").start()
+
+    def submit(self, job: Job) -> Job:
+        self.pending.put_nowait(job)
+        return job
+
+    def _loop(self) -> None:
+        slots, waiting, texts = None, [], {}
+        while True:
+            busy = slots is not None and any(o is not None for o in slots.occupant)
+            if not busy and not waiting:
+                waiting.append(self.pending.get())
+            while not self.pending.empty():
+                waiting.append(self.pending.get_nowait())
+            for job in [j for j in waiting if j.cancelled]:
+                waiting.remove(job)
+            try:
+                if not busy and waiting and (slots is None or not self._fits(slots, waiting[0])):
+                    slots = self._slots(waiting[0], [j for j in waiting if j.settings == waiting[0].settings])
+                    if not self._fits(slots, waiting[0]):  # not even alone: say so rather than wait forever
+                        waiting.pop(0).send("error", "the prompt and max_tokens do not fit the server's context "
+                                                     f"of {self.context} tokens", 0)
+                        continue
+                for row in slots.free():
+                    job = next((j for j in waiting if self._fits(slots, j)), None)
+                    if job is None:
+                        break
+                    waiting.remove(job)
+                    slots.insert(row, job, job.prompt, job.seed, _bucket(len(job.prompt), 64))
+                    texts[id(job)] = Text(self.bundle.tokenizer, job.stop)
+                self.batch_sizes.append(sum(o is not None for o in slots.occupant))
+                for job, tokens in slots.step():
+                    if id(job) in texts and self._emit(job, tokens, texts[id(job)]):
+                        del texts[id(job)]
+                        slots.release(slots.occupant.index(job))
+            except Exception as e:  # a failure must not stop the server: the clients it concerns hear why
+                for job in ([o for o in slots.occupant if o is not None] if slots else []) + waiting:
+                    job.send("error", f"{type(e).__name__}: {e}", 0)
+                slots, waiting, texts = None, [], {}
+
+    def _emit(self, job: Job, tokens: list[int], text: Text) -> bool:
+        """Send a job its new text; -> whether it has ended (its max_tokens, a stop string, EOS, its client gone)."""
+        chunk = text.add(tokens[: job.max_tokens - len(text.tokens)])
+        if chunk.text:
+            job.send("text", chunk.text, len(chunk.tokens))
+        eos = self.bundle.eos_token_ids
+        full = len(text.tokens) >= job.max_tokens or (text.tokens and text.tokens[-1] in eos)
+        if not (text.stopped or full or job.cancelled):
+            return False
+        tail = text.finish()
+        if tail:
+            job.send("text", tail, 0)
+        job.send("end", finish_reason(text.tokens, eos, job.max_tokens, text.stopped), len(text.tokens))
+        return True
+
+    def _fits(self, slots: Slots, job: Job) -> bool:
+        return (job.settings == slots.key and job.max_tokens <= slots.settings["max_new_tokens"]
+                and _bucket(len(job.prompt), 64) + slots.settings["max_new_tokens"] + slots.nodes <= self.context)
+
+    def _slots(self, first: Job, alike: list[Job]) -> Slots:
+        method, options, temperature, top_p, exact = first.settings
+        new = _bucket(max(j.max_tokens for j in alike), MAX_TOKENS_DEFAULT)
+        nodes = 0 if method == "ar" else self._nodes(method, dict(options), temperature)
+        longest = _bucket(len(first.prompt), 64)
+        new = min(new, max(first.max_tokens, self.context - longest - nodes))  # the context bounds the bucket
+        slots = Slots(self.bundle, self.max_batch, method=method, max_new_tokens=new, context=self.context,
+                      temperature=temperature, top_p=top_p, exact=exact, **dict(options))
+        slots.key, slots.nodes = first.settings, nodes
+        return slots
+
+    def _nodes(self, method, options, temperature) -> int:
+        from weaver_jax._generate import _speculative_setup
+
+        return _speculative_setup(self.bundle, method, options, temperature > 0, self.max_batch)[1]
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"messages[{i}] needs a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones, joined
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise RequestError(f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string or text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+class Server:
+    """The routes over an `Engine`: `app` is the ASGI application."""
+
+    def __init__(self, bundle, *, model_name: str | None = None, method: str = "weaver", max_batch: int = 8,
+                 max_queue: int = 64, context: int | None = None, api_key: str | None = None, start: bool = True,
+                 **method_options):
+        if bundle.tokenizer is None:
+            raise ValueError("serving needs the bundle's tokenizer (bundle.tokenizer is None)")
+        _require("starlette")
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        self.bundle, self.model_name = bundle, model_name or bundle.name or "weaver-jax"
+        self.method, self.method_options = method, method_options
+        self.api_key = api_key
+        self.engine = Engine(bundle, max_batch=max_batch, max_queue=max_queue, context=context, start=start)
+        self.app = Starlette(routes=[
+            Route("/health", self.health), Route("/v1/models", self.models),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"])])
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "weaver_jax"}]})
+
+    async def chat_completions(self, request):
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request):
+        return await self._complete(request, chat=False)
+
+    def _job(self, body: dict, chat: bool) -> Job:
+        tokenizer = self.bundle.tokenizer
+        if body.get("model", self.model_name) != self.model_name:
+            raise RequestError(f"the model {body['model']!r} does not exist here; this server has "
+                               f"{self.model_name!r}", "model", status=404)
+        if chat:
+            prompt = tokenizer.apply_chat_template(_messages(body))
+        else:
+            text = body.get("prompt")
+            if isinstance(text, list) and len(text) == 1:
+                text = text[0]
+            if not isinstance(text, str) or not text:
+                raise RequestError("'prompt' must be a non-empty string", "prompt")
+            prompt = tokenizer.encode(text)
+        if body.get("n", 1) != 1:
+            raise RequestError("only n = 1 is supported", "n")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens", MAX_TOKENS_DEFAULT))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+        temperature, top_p = body.get("temperature", 1.0), body.get("top_p", 1.0)
+        for name, value, low, high in (("temperature", temperature, 0.0, 2.0), ("top_p", top_p, 0.0, 1.0)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
+                raise RequestError(f"{name} must be a number in [{low}, {high}], got {value!r}", name)
+        if top_p == 0:
+            raise RequestError("top_p must be > 0", "top_p")
+        seed = body.get("seed")
+        if seed is None:
+            seed = uuid.uuid4().int % (1 << 31)
+        elif not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 32:
+            raise RequestError(f"seed must be an integer in [0, 2**32), got {seed!r}", "seed")
+        method = self.method if body.get("speculative", True) else "ar"
+        method = body.get("method", method)
+        if method not in METHODS:
+            raise RequestError(f"method must be one of {list(METHODS)}, got {method!r}", "method")
+        options = {} if method in ("ar", "dflash") else dict(self.method_options if method == self.method else {})
+        if "budget" in body and method in ("ddtree", "weaver"):
+            options["budget"] = body["budget"]
+        try:
+            stop = check_stop(body.get("stop"), tokenizer)
+        except ValueError as e:
+            raise RequestError(str(e), "stop") from None
+        if len(prompt) + max_tokens > self.engine.context:
+            raise RequestError(f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the "
+                               f"server's context of {self.engine.context} tokens", "max_tokens", status=413)
+        if method != "ar":  # the method's options are checked now, not in the generation thread
+            from weaver_jax._generate import _speculative_setup
+
+            _speculative_setup(self.bundle, method, options, temperature > 0, 1)
+        settings = (method, tuple(sorted(options.items())), float(temperature), float(top_p),
+                    bool(body.get("exact", False)))
+        return Job(prompt, max_tokens, settings, seed, stop, asyncio.get_running_loop())
+
+    async def _complete(self, request, chat: bool):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            return _error("a valid API key is required: 'Authorization: Bearer <key>'", None, status=401,
+                          kind="authentication_error")
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise RequestError("the request body must be a JSON object")
+            job = self._job(body, chat)
+        except json.JSONDecodeError as e:
+            return _error(f"the request body is not JSON: {e}", None)
+        except RequestError as e:
+            return _error(str(e), e.param, status=e.status)
+        except (ValueError, TypeError) as e:
+            return _error(str(e), None)
+        try:
+            self.engine.submit(job)
+        except queue.Full:
+            return _error(f"the server is busy ({self.engine.pending.maxsize} requests wait): try again later", None,
+                          status=429, kind="rate_limit_error")
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = dict(id=ident, object="chat.completion" if chat else "text_completion", created=int(time.time()),
+                    model=self.model_name)
+        if body.get("stream"):
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(self._events(job, head, chat, usage), media_type="text/event-stream")
+        text, reason, count = [], None, 0
+        while True:
+            kind, value, n = await job.events.get()
+            if kind == "error":
+                return _error(value, None, status=500, kind="server_error")
+            if kind == "text":
+                text.append(value)
+            else:
+                reason, count = value, n
+                break
+        text = "".join(text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                  else {"index": 0, "text": text, "logprobs": None})
+        return JSONResponse(head | {"choices": [choice | {"finish_reason": reason}],
+                                    "usage": _usage(job, count)})
+
+    async def _events(self, job: Job, head: dict, chat: bool, usage: bool) -> AsyncIterator[str]:
+        head = head | {"object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def event(choice: dict | None, **extra) -> str:
+            return "data: " + json.dumps(head | {"choices": [choice] if choice else []} | extra) + "\n\n"
+
+        def piece(text: str, reason: str | None = None) -> dict:
+            content = {"delta": {"content": text} if text or reason is None else {}} if chat else {"text": text}
+            return {"index": 0, **content, "finish_reason": reason}
+
+        try:
+            if chat:
+                yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            while True:
+                kind, value, n = await job.events.get()
+                if kind == "error":
+                    yield "data: " + json.dumps({"error": {"message": value, "type": "server_error"}}) + "\n\n"
+                    break
+                if kind == "text":
+                    yield event(piece(value))
+                    continue
+                yield event(piece("", value))
+                if usage:
+                    yield event(None, usage=_usage(job, n))
+                break
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): the sequence stops at the next chunk
+            job.cancelled = True
+
+
+def _usage(job: Job, completion_tokens: int) -> dict:
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": completion_tokens,
+            "total_tokens": len(job.prompt) + completion_tokens}
+
+
+def _error(message: str, param: str | None, status: int = 400, kind: str = "invalid_request_error"):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+def _require(module: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"serving needs {module} (Starlette and uvicorn): pip install 'weaver-jax[serve]'")
+
+
+def serve(bundle, *, host: str = "127.0.0.1", port: int = 8000, **server_options) -> None:
+    """Run the server until interrupted (uvicorn)."""
+    _require("uvicorn")
+    import uvicorn
+
+    uvicorn.run(Server(bundle, **server_options).app, host=host, port=port, log_level="info")
