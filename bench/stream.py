@@ -18,22 +18,33 @@ from pathlib import Path
 
 import jax
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import round_profile  # noqa: E402
+
 import weaver_jax as wj  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--random-target", help="a random target of this shape beside the shipped drafter and "
+                        "adapter (round_profile.py's; no GGUF needed): the cost of streaming, not a speedup")
     parser.add_argument("--methods", nargs="+", default=["ar", "weaver"])
     parser.add_argument("--rounds", type=int, nargs="+", default=[1, 4, 8], help="rounds_per_call values")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    bundle = wj.load(args.model)
-    message = {"role": "user", "content": "Write a short story about a lighthouse."}
-    prompt = bundle.tokenizer.apply_chat_template([message])
+    if args.random_target:
+        bundle = round_profile.bundle_for(argparse.Namespace(
+            random_target=args.random_target, dtype=None, drafter=None, adapter=None, drafter_layers=0,
+            adapter_shape={}))
+        prompt = list(range(1, 97))
+    else:
+        bundle = wj.load(args.model)
+        message = {"role": "user", "content": "Write a short story about a lighthouse."}
+        prompt = bundle.tokenizer.apply_chat_template([message])
     options = dict(max_new_tokens=args.max_new_tokens, eos_token_id=[])
     rows = []
     for method in args.methods:
@@ -61,8 +72,8 @@ def main():
                              first_chunk_ms=statistics.median(r[1] for r in runs) * 1e3, tokens=len(want.tokens[0]),
                              device=jax.devices()[0].device_kind))
             print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

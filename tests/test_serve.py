@@ -71,11 +71,11 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one():
     """Two slots, three requests: the first two start together, each ends at its own limit or stop string, and
     the third takes the slot the short one frees while the first runs on; every reply is `generate`'s."""
     b = bundle()
-    server = Server(b, max_batch=2, start=False)  # the engine starts once all three wait
+    server = Server(b, method="dflash", max_batch=2, start=False)  # the engine starts once all three wait
     client = TestClient(server.app)
     other = [{"role": "user", "content": "tell me more"}]
     prompt = b.tokenizer.apply_chat_template(MESSAGES)
-    full, _ = expected(prompt, 16)
+    full, _ = expected(prompt, 16, "dflash")
     stop = next(c for c in full[4:] if c != "\ufffd")
     requests = [{"messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stop": stop},
                 {"messages": MESSAGES, "max_tokens": 2, "temperature": 0},
@@ -94,16 +94,16 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one():
     for t in threads:
         t.join()
     content = [r["choices"][0]["message"]["content"] for r in replies]
-    assert content == [full[: full.index(stop)], expected(prompt, 2)[0],
-                       expected(b.tokenizer.apply_chat_template(other), 6)[0]]
+    assert content == [full[: full.index(stop)], expected(prompt, 2, "dflash")[0],
+                       expected(b.tokenizer.apply_chat_template(other), 6, "dflash")[0]]
     assert replies[0]["choices"][0]["finish_reason"] == "stop"
     assert max(server.engine.batch_sizes) == 2 and server.engine.batch_sizes[0] == 2
 
 
 def test_the_official_openai_client_against_a_loopback_server():
     b = bundle()
-    server = uvicorn.Server(uvicorn.Config(Server(b, model_name="tiny").app, host="127.0.0.1", port=0,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(Server(b, model_name="tiny", method="ar").app, host="127.0.0.1",
+                                           port=0, log_level="warning"))  # the protocol: plain decoding will do
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -112,7 +112,7 @@ def test_the_official_openai_client_against_a_loopback_server():
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list()] == ["tiny"]
-        text = expected(b.tokenizer.apply_chat_template(MESSAGES), 8)[0]
+        text = expected(b.tokenizer.apply_chat_template(MESSAGES), 8, "ar")[0]
         reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
         assert reply.choices[0].message.content == text and reply.usage.completion_tokens <= 8
         chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,

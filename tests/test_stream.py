@@ -74,5 +74,5 @@ def test_stream_errors_name_the_problem():
         wj.stream(wj.testing.random_bundle(0), PROMPT, max_new_tokens=4, stop="x")
     with pytest.raises(ValueError, match="stop must be a string or a list of non-empty strings"):
         wj.generate(b, [PROMPT], max_new_tokens=4, stop=[""])
-    with pytest.raises(ValueError, match="rounds_per_call must be a positive integer"):
+    with pytest.raises(ValueError, match="rounds_per_call must be an integer in"):
         list(wj.stream(b, PROMPT, max_new_tokens=4, rounds_per_call=0))

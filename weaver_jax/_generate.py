@@ -131,20 +131,25 @@ def ar_start(params, cache, prompts, prompt_lengths, keys, *, graphdef, max_new_
                          eos_ids, exact)
 
 
-@functools.partial(jax.jit, static_argnames=(*_AR_STATIC, "steps"), donate_argnames=("state",))
-def ar_advance(params, state: ARState, keys, halt, *, graphdef, max_new_tokens, steps: int, sampling=_GREEDY,
+MAX_ROUNDS_PER_CALL = 64  # the most rounds (decode steps for "ar") a streaming call runs: its window's width
+
+
+@functools.partial(jax.jit, static_argnames=_AR_STATIC, donate_argnames=("state",))
+def ar_advance(params, state: ARState, keys, halt, steps, *, graphdef, max_new_tokens, sampling=_GREEDY,
                eos_ids=(), kernels=(), exact=False) -> tuple[ARState, jax.Array]:
-    """Up to `steps` more decode steps of `ar_start`'s state (sequences with `halt [B]` set end first):
-    -> (the state, the tokens emitted by this call `[B, steps]`, -1 past each sequence's count)."""
+    """Up to `steps` (<= MAX_ROUNDS_PER_CALL, traced) more decode steps of `ar_start`'s state (sequences with
+    `halt [B]` set end first): -> (the state, the tokens this call emitted `[B, min(MAX_ROUNDS_PER_CALL,
+    max_new_tokens)]`, -1 past each sequence's count)."""
     model = nnx.merge(graphdef, params)
     with kernel_scope(kernels):
-        return advance(state._replace(done=state.done | halt), steps, steps,
+        return advance(state._replace(done=state.done | halt), steps, min(MAX_ROUNDS_PER_CALL, max_new_tokens),
                        lambda s: _ar_step(model, s, keys, max_new_tokens, sampling, eos_ids, exact))
 
 
-def advance(state, iterations: int, width: int, body):
+def advance(state, iterations, width: int, body):
     """`body` on `state` (a NamedTuple with `tokens [B, T]`, `num_tokens [B]`, `done [B]`) until every sequence
-    is done or `iterations` times: -> (state, the tokens it emitted `[B, width]`, -1 past each one's count)."""
+    is done or `iterations` (traced) times: -> (state, the tokens it emitted `[B, width]`, -1 past each one's
+    count; width >= what `iterations` can emit)."""
     def cond(carry):
         i, s = carry
         return (i < iterations) & ~jnp.all(s.done)

@@ -58,9 +58,10 @@ def _bucket(n: int, smallest: int) -> int:
 
 class Engine:
     """The generation thread: `submit` queues a job (`queue.Full` past `max_queue` waiting); the thread keeps
-    `max_batch` slots of one set of settings running and moves waiting jobs of those settings into free slots
-    between calls; jobs of other settings wait until the slots drain. `batch_sizes` records the rows in use per
-    call (for tests and stats)."""
+    slots of one set of settings running and moves waiting jobs of those settings into free slots between calls.
+    The slots are as many as the jobs waiting when they were made (a power of two, at most `max_batch`, since an
+    empty row costs a round as much as a full one); jobs of other settings, or more jobs than slots, wait until
+    the slots drain, and the next slots fit them. `batch_sizes` records the rows in use per call."""
 
     def __init__(self, bundle, *, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
                  start: bool = True):
@@ -89,8 +90,10 @@ class Engine:
             for job in [j for j in waiting if j.cancelled]:
                 waiting.remove(job)
             try:
-                if not busy and waiting and (slots is None or not self._fits(slots, waiting[0])):
-                    slots = self._slots(waiting[0], [j for j in waiting if j.settings == waiting[0].settings])
+                alike = [j for j in waiting if j.settings == waiting[0].settings]
+                if not busy and waiting and (slots is None or not self._fits(slots, waiting[0])
+                                             or len(alike) > slots.size < self.max_batch):
+                    slots = self._slots(waiting[0], alike)
                     if not self._fits(slots, waiting[0]):  # not even alone: say so rather than wait forever
                         waiting.pop(0).send("error", "the prompt and max_tokens do not fit the server's context "
                                                      f"of {self.context} tokens", 0)
@@ -129,15 +132,19 @@ class Engine:
 
     def _fits(self, slots: Slots, job: Job) -> bool:
         return (job.settings == slots.key and job.max_tokens <= slots.settings["max_new_tokens"]
-                and _bucket(len(job.prompt), 64) + slots.settings["max_new_tokens"] + slots.nodes <= self.context)
+                and _bucket(len(job.prompt), 64) + slots.settings["max_new_tokens"] + slots.nodes <= slots.context)
 
     def _slots(self, first: Job, alike: list[Job]) -> Slots:
+        """Slots for `first`'s settings, sized for the jobs like it that wait: the cache holds what they need
+        (rounded up to a power of two, within the server's context), since every round reads all of it."""
         method, options, temperature, top_p, exact = first.settings
         new = _bucket(max(j.max_tokens for j in alike), MAX_TOKENS_DEFAULT)
         nodes = 0 if method == "ar" else self._nodes(method, dict(options), temperature)
-        longest = _bucket(len(first.prompt), 64)
+        longest = max(_bucket(len(j.prompt), 64) for j in alike)
         new = min(new, max(first.max_tokens, self.context - longest - nodes))  # the context bounds the bucket
-        slots = Slots(self.bundle, self.max_batch, method=method, max_new_tokens=new, context=self.context,
+        context = min(self.context, _bucket(longest + new + nodes, 256))
+        size = min(self.max_batch, _bucket(len(alike), 1))  # every row costs a round's compute, used or not
+        slots = Slots(self.bundle, size, method=method, max_new_tokens=new, context=context,
                       temperature=temperature, top_p=top_p, exact=exact, **dict(options))
         slots.key, slots.nodes = first.settings, nodes
         return slots

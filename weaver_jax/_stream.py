@@ -21,8 +21,28 @@ import numpy as np
 
 from weaver_jax import _generate
 
-# Rounds per jitted call: a call costs a dispatch and a device-to-host read (~10-60 us), a round 1-20 ms on a GPU
-DEFAULT_ROUNDS_PER_CALL = {"ar": 8, "spec": 4}
+# A call has a fixed cost besides its rounds (measured 4-6 ms on an H200 at SmolLM2's shape, BENCHMARKS), so
+# unless told otherwise a stream sizes its calls to take about CALL_SECONDS each, starting small (a quick first
+# chunk); the rounds per call are traced, so changing them compiles nothing.
+CALL_SECONDS = 0.05
+FIRST_ROUNDS = 4
+
+
+class Pace:
+    """Rounds for the next call: `fixed`, or adapted from how long the last call took (`tick` after each read)."""
+
+    def __init__(self, fixed: int | None):
+        if fixed is not None and (not isinstance(fixed, int) or not 1 <= fixed <= _generate.MAX_ROUNDS_PER_CALL):
+            raise ValueError(f"rounds_per_call must be an integer in [1, {_generate.MAX_ROUNDS_PER_CALL}], "
+                             f"got {fixed!r}")
+        self.rounds, self.fixed, self.last = fixed or FIRST_ROUNDS, fixed is not None, None
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if not self.fixed and self.last is not None:
+            scaled = self.rounds * CALL_SECONDS / max(now - self.last, 1e-4)
+            self.rounds = int(np.clip(round(scaled), 1, _generate.MAX_ROUNDS_PER_CALL))
+        self.last = now
 
 
 class StreamChunk(NamedTuple):
@@ -94,9 +114,7 @@ class Run:
                     raise ValueError(f"a cache of {cache.size} slots holding {used} has no room for the {fresh.size} "
                                      "this call needs")
             args[at] = list(caches)
-        rounds = DEFAULT_ROUNDS_PER_CALL["ar" if plain else "spec"] if rounds_per_call is None else rounds_per_call
-        if not isinstance(rounds, int) or rounds < 1:
-            raise ValueError(f"rounds_per_call must be a positive integer, got {rounds!r}")
+        self.pace = Pace(rounds_per_call)
         self.bundle, self.method, self.static, self.real = bundle, method, static, len(prompts)
         self.max_new_tokens, self.eos_ids = max_new_tokens, static["eos_ids"]
         batch = args[1 if plain else 2].lengths.shape[0]  # the cache's: a mesh may have padded the batch
@@ -109,11 +127,10 @@ class Run:
         with _generate._mesh_scope(bundle):
             if plain:
                 self.state = _generate.ar_start(*args, **static)
-                self._advance = lambda s, halt: _generate.ar_advance(args[0], s, args[4], halt, steps=rounds, **static)
+                self._advance = lambda s, halt, n: _generate.ar_advance(args[0], s, args[4], halt, n, **static)
             else:
                 self.state = spec_start(*args, **static)
-                self._advance = lambda s, halt: spec_advance(*args[:2], s, args[6], halt, *args[7:], rounds=rounds,
-                                                             **static)
+                self._advance = lambda s, halt, n: spec_advance(*args[:2], s, args[6], halt, n, *args[7:], **static)
         self.first = [int(t) for t in np.asarray(self.state.tokens)[:, 0]]
         self.start_seconds = time.perf_counter() - t0
         self.seconds = 0.0
@@ -144,6 +161,7 @@ class Run:
             # `self.state` is always the newest state, the one no call has been given (donated) yet
             pending = None if self._finished() else self._dispatch(state)
             window = np.asarray(window)
+            self.pace.tick()
             new = [[int(t) for t in row if t >= 0] if not self.done[i] else [] for i, row in enumerate(window)]
             for i, tokens in enumerate(new):
                 self._update(i, tokens)
@@ -157,7 +175,8 @@ class Run:
 
     def _dispatch(self, state):
         with _generate._mesh_scope(self.bundle):
-            out = self._advance(state, _generate._on_mesh(self.bundle.mesh, jnp.asarray(self.halted)))
+            out = self._advance(state, _generate._on_mesh(self.bundle.mesh, jnp.asarray(self.halted)),
+                                jnp.int32(self.pace.rounds))
         self.state = out[0]
         return out
 
@@ -190,16 +209,15 @@ class Slots:
         self._at = (1, 4) if plain else (2, 6)  # where _prepare's args hold the caches and the keys
         fn, self.static, args = self._prepare([[0]] * size, [0] * size)
         self.keys = args[self._at[1]]
-        rounds = rounds_per_call or DEFAULT_ROUNDS_PER_CALL["ar" if plain else "spec"]
+        self.pace = Pace(rounds_per_call)
         from weaver_jax._speculative import spec_advance, spec_start
 
         self._start = _generate.ar_start if plain else spec_start
         if plain:
-            self._advance = lambda s, keys, halt: _generate.ar_advance(args[0], s, keys, halt, steps=rounds,
-                                                                       **self.static)
+            self._advance = lambda s, keys, halt, n: _generate.ar_advance(args[0], s, keys, halt, n, **self.static)
         else:
-            self._advance = lambda s, keys, halt: spec_advance(*args[:2], s, keys, halt, *args[7:], rounds=rounds,
-                                                               **self.static)
+            self._advance = lambda s, keys, halt, n: spec_advance(*args[:2], s, keys, halt, n, *args[7:],
+                                                                  **self.static)
         with _generate._mesh_scope(bundle):
             state = self._start(*args, **self.static)
         self.state = state._replace(done=jnp.ones_like(state.done))  # every row free
@@ -244,9 +262,10 @@ class Slots:
         if self._pending is not None:
             (_, window), occupants = self._pending
             window = np.asarray(window)
+            self.pace.tick()
             out = [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
         with _generate._mesh_scope(self.bundle):
-            call = self._advance(self.state, self.keys, jnp.asarray(self.halted))
+            call = self._advance(self.state, self.keys, jnp.asarray(self.halted), jnp.int32(self.pace.rounds))
         self.state = call[0]
         self._pending = (call, list(self.occupant))
         opened = [(self.occupant[row], [int(np.asarray(tokens)[0, 0])]) for row, tokens in firsts.items()]
@@ -310,7 +329,8 @@ def stream(bundle, prompt: Sequence[int], *, max_new_tokens: int, method: str = 
     Takes `generate`'s arguments (method, sampling, seed, exact, method options) for one sequence; the
     concatenated tokens equal `generate(bundle, [prompt], ...)`'s. stop: a string or strings; the sequence
     ends at the first occurrence in its text (the text stops before it, the tokens after the token that
-    completed it). rounds_per_call: rounds (or decode steps for "ar") per jitted call (default 4, "ar" 8).
+    completed it). rounds_per_call: rounds (or decode steps for "ar") per jitted call, at most
+    MAX_ROUNDS_PER_CALL (default: 4 first, then as many as take about CALL_SECONDS).
 
         for chunk in weaver_jax.stream(bundle, ids, max_new_tokens=64, method="weaver"):
             print(chunk.text, end="", flush=True)

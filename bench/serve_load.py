@@ -1,0 +1,102 @@
+"""A bounded load test of `weaver-jax serve` on loopback: throughput and latency, speculation on and off.
+
+    python bench/serve_load.py --concurrency 1 4 16 64 --requests 64 --max-tokens 256 --json out.json
+
+Starts the server in this process (uvicorn, 127.0.0.1, a free port) for the named model (default: the shipped
+SmolLM2 pair), then for each method (`--methods`, "ar" = speculation off) and concurrency C sends `--requests`
+chat requests from C client threads (the official `openai` client), T = 0, EOS off so every answer has
+`--max-tokens` tokens: aggregate completion tokens/s and p50 / p99 request latency. Before the timed requests, one
+round of C requests compiles what they need. As the baseline, one `generate` call on the same prompts (the
+first `--max-batch` of them as one batch) gives tokens/s for `speculative_batch_vs_generate`. It stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import openai
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import weaver_jax as wj  # noqa: E402
+from weaver_jax._serve import Server  # noqa: E402
+
+# Made-up requests (in none of the project's prompt sets): only their lengths and variety matter here.
+REQUESTS = [
+    "Write a haiku about autumn leaves.", "Give me three tips for learning to cook.",
+    "Explain what a hash table is.", "Summarise the plot of a heist movie you invent.",
+    "List five uses for a paperclip.", "Describe the water cycle for a child.",
+    "What makes a good password?", "Draft a polite email declining a meeting.",
+]
+
+
+def start(app) -> tuple[uvicorn.Server, int]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, server.servers[0].sockets[0].getsockname()[1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--methods", nargs="+", default=["weaver", "ar"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    bundle = wj.load(args.model)
+    bundle = wj.Bundle(bundle.target, bundle.tokenizer, bundle.drafter, bundle.adapter, eos_token_ids=(),
+                       name=bundle.name)  # EOS off: every answer is max_tokens long
+    rows = []
+    for method in args.methods:
+        app = Server(bundle, model_name="m", method=method, max_batch=args.max_batch, max_queue=4 * args.requests)
+        server, port = start(app.app)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=3600)
+
+        def one(i, client=client):
+            t0 = time.perf_counter()
+            reply = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}],
+                max_tokens=args.max_tokens, temperature=0)
+            return time.perf_counter() - t0, reply.usage.completion_tokens
+
+        prompts = [bundle.tokenizer.apply_chat_template([{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}])
+                   for i in range(args.max_batch)]
+        options = dict(method=method, max_new_tokens=args.max_tokens, eos_token_id=[])
+        wj.generate(bundle, prompts, **options)  # compiled
+        base = wj.generate(bundle, prompts, **options).stats["tokens_per_second"]
+        for concurrency in args.concurrency:
+            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+                list(pool.map(one, range(concurrency)))  # warm-up: what these requests need is compiled
+                t0 = time.perf_counter()
+                results = list(pool.map(one, range(args.requests)))
+                seconds = time.perf_counter() - t0
+            latencies = sorted(r[0] for r in results)
+            tokens = sum(r[1] for r in results)
+            rows.append(dict(method=method, concurrency=concurrency, requests=args.requests,
+                             max_tokens=args.max_tokens, tokens_per_second=tokens / seconds,
+                             p50_seconds=statistics.median(latencies),
+                             p99_seconds=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+                             generate_batch_tokens_per_second=base, vs_generate_batch=tokens / seconds / base,
+                             max_batch=args.max_batch, device=jax.devices()[0].device_kind))
+            print(json.dumps(rows[-1]), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+        server.should_exit = True
+
+
+if __name__ == "__main__":
+    main()
