@@ -123,6 +123,12 @@ def test_the_official_openai_client_against_a_loopback_server():
             texts = list(pool.map(lambda _: client.chat.completions.create(
                 model="tiny", messages=MESSAGES, max_tokens=8, temperature=0).choices[0].message.content, range(4)))
         assert texts == [text] * 4
+        # sampled: the request's own seed decides, as generate(..., seed=[seed]) for that prompt alone
+        b_ids = b.tokenizer.apply_chat_template(MESSAGES)
+        want = wj.generate(b, [b_ids], method="ar", max_new_tokens=8, temperature=1.0, seed=[7]).tokens[0]
+        reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=1.0,
+                                               seed=7)
+        assert reply.choices[0].message.content == b.tokenizer.decode(want, skip_special_tokens=True)
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0)
     finally:

@@ -1,11 +1,12 @@
 """Streaming and stop strings: `generate`'s prefill and rounds, a few per jitted call.
 
-`Run` drives a batch through `ar_start` / `ar_advance` (or `spec_start` / `spec_advance`): each call runs up to
-`rounds_per_call` rounds on the device and returns the tokens they emitted; the next call is dispatched before
-the last one's tokens are read, so the device does not wait on the host between calls (a host callback per
-round would). What a sequence emits is what `generate` emits for it: the same functions, keys and order.
-`Text` turns a sequence's tokens into text increments safe to show (no half of a UTF-8 character, no text
-that may still become a stop string) and finds where a stop string ends it.
+`Run` drives a batch through `ar_start` / `ar_advance` (or `spec_start` / `spec_advance`): each call runs a few
+rounds on the device (`Pace`: about 50 ms of them) and returns the tokens they emitted; the next call is
+dispatched before the last one's tokens are read, so the device does not wait on the host between calls (a
+host callback per round would). What a sequence emits is what `generate` emits for it: the same functions, keys
+and order. `Slots` is the same loop with rows that sequences join (`insert_row`) and leave between calls: the
+server's continuous batching. `Text` turns a sequence's tokens into text increments safe to show (no half of a
+UTF-8 character, no text that may still become a stop string) and finds where a stop string ends it.
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ class Slots:
                              top_p=top_p, exact=exact, method_options=method_options)
         plain = method == "ar"
         self._at = (1, 4) if plain else (2, 6)  # where _prepare's args hold the caches and the keys
-        fn, self.static, args = self._prepare([[0]] * size, [0] * size)
+        _, self.static, args = self._prepare([[0]] * size, [0] * size)
         self.keys = args[self._at[1]]
         self.pace = Pace(rounds_per_call)
         from weaver_jax._speculative import spec_advance, spec_start
