@@ -219,7 +219,7 @@ COMPILER_OPTIONS: dict[str, dict] = {"ar": {}, "spec": {}}
 def _compiled(fn, static: dict, *args):
     """AOT-compile `fn` once per static configuration, argument shapes and shardings (a bundle on a mesh
     compiles its own program) and `COMPILER_OPTIONS`, so timing excludes it."""
-    options = COMPILER_OPTIONS["ar" if fn is ar_generate else "spec"]
+    options = COMPILER_OPTIONS["ar" if fn in (ar_generate, ar_start, ar_advance) else "spec"]
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype, getattr(a, "sharding", None)), args)
     key = (fn, tuple(sorted(static.items())), str(shapes), tuple(sorted(options.items())))
     if key not in _COMPILED:
