@@ -98,6 +98,8 @@ class Engine:
                         waiting.pop(0).send("error", "the prompt and max_tokens do not fit the server's context "
                                                      f"of {self.context} tokens", 0)
                         continue
+                if slots is None:  # every waiting job was cancelled before it started
+                    continue
                 for row in slots.free():
                     job = next((j for j in waiting if self._fits(slots, j)), None)
                     if job is None:
