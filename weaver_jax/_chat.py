@@ -16,7 +16,9 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from weaver_jax._generate import _speculative_setup, target_parameters
 from weaver_jax._hybrid import HybridCache
 from weaver_jax._stream import Run, Text, TokenStream
 
@@ -35,6 +37,7 @@ class Conversation:
             raise ValueError("a chat needs the bundle's tokenizer (bundle.tokenizer is None)")
         self.bundle, self.method, self.max_new_tokens, self.options = bundle, method, max_new_tokens, options
         self.context = context or min(bundle.config.max_seq_len, 4096)
+        self.parameters = target_parameters(nnx.split(bundle.target)[1])  # for the default tree budget
         self.stats: dict = {}
         self.prefilled = 0  # tokens the last turn's prefill covered
         self.reset()
@@ -81,10 +84,9 @@ class Conversation:
     def _tree_nodes(self) -> int:
         if self.method == "ar":
             return 0
-        from weaver_jax._generate import _speculative_setup
-
         options = {k: v for k, v in self.options.items() if k not in SAMPLING}
-        return _speculative_setup(self.bundle, self.method, options, self.options.get("temperature", 0) > 0, 1)[1]
+        return _speculative_setup(self.bundle, self.method, options, self.options.get("temperature", 0) > 0, 1,
+                                  self.parameters)[1]
 
     def _end_turn(self, run: Run, new: list[int], stream: TokenStream) -> None:
         answer = run.generated(0)  # what the caches hold, even past what was read

@@ -54,11 +54,10 @@ def _emit(state: ARState, token: jax.Array, active: jax.Array, eos_ids: tuple[in
     return state._replace(last=last, tokens=tokens, num_tokens=num_tokens, done=done)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "sampling", "eos_ids", "kernels", "exact"),
-    donate_argnames=("cache",),
-)
+_AR_STATIC = ("graphdef", "max_new_tokens", "sampling", "eos_ids", "kernels", "exact")
+
+
+@functools.partial(jax.jit, static_argnames=_AR_STATIC, donate_argnames=("cache",))
 def ar_generate(
     params: nnx.State,
     cache: KVCache,
@@ -117,9 +116,6 @@ def _ar_step(model, s: ARState, keys, max_new_tokens, sampling, eos_ids, exact) 
     token = select(o.logits[:, 0], keys, s.num_tokens, sampling)  # per sequence: a batch's rows may start apart
     s = s._replace(step=s.step + 1, cache=cache)
     return _emit(s, token, active, eos_ids, max_new_tokens)
-
-
-_AR_STATIC = ("graphdef", "max_new_tokens", "sampling", "eos_ids", "kernels", "exact")
 
 
 @functools.partial(jax.jit, static_argnames=_AR_STATIC, donate_argnames=("cache",))
@@ -227,9 +223,15 @@ def _compiled(fn, static: dict, *args):
     return _COMPILED[key]
 
 
-def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool, batch: int):
+def target_parameters(params) -> int:
+    """The values in a target's split state (`nnx.split(target)[1]`): what the default tree budget reads."""
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool, batch: int, parameters: int):
     """Check the drafter against the target and the method's options (their defaults for sampled
-    decoding when `sampled`, and for this batch size and target); -> (options, tree nodes)."""
+    decoding when `sampled`, and for this batch size and the target's `target_parameters`); -> (options,
+    tree nodes)."""
     from weaver_jax._speculative import tree_options
 
     if bundle.drafter is None:
@@ -245,7 +247,6 @@ def _speculative_setup(bundle, method: str, method_options: dict, sampled: bool,
         bundle.adapter.config.check_target(bundle.target.config)
         adapter_limits = dict(pool_size=min(bundle.adapter.config.candidate_pool_size, dconfig.vocab_size),
                               max_depth=bundle.adapter.config.K)
-    parameters = sum(x.size for x in jax.tree.leaves(nnx.state(bundle.target, nnx.Param)))
     options = tree_options(method, method_options, block_size=dconfig.block_size, vocab_size=dconfig.vocab_size,
                            sampled=sampled, batch=batch, target_parameters=parameters, **adapter_limits)
     nodes = options["budget"] + 1 if "budget" in options else options["depth"] + 1
@@ -268,8 +269,9 @@ def _on_mesh(mesh, x):
 
 
 def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
-             method_options, round_only=False, pad_to=None, exact=False):
-    """Validation, padding and the jitted function's arguments: -> (fn, static, args)."""
+             method_options, round_only=False, pad_to=None, exact=False, caches=None):
+    """Validation, padding and the jitted function's arguments: -> (fn, static, args). caches: the target's
+    (and for a speculative method the drafter's) to prefill after what they hold, instead of fresh ones."""
     from weaver_jax._speculative import METHODS, spec_first_round, spec_generate
 
     if method not in ("ar", *METHODS):
@@ -289,8 +291,10 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {config.max_seq_len} tokens")
+    graphdef, params = nnx.split(bundle.target)
     if method != "ar":
-        options, nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy, len(prompts))
+        options, nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy, len(prompts),
+                                            target_parameters(params))
 
     if pad_to is None:
         padded_len = _round_up(longest, 32)
@@ -307,21 +311,30 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     for i, p in enumerate(prompts):
         batch[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    graphdef, params = nnx.split(bundle.target)
     static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids,
                   kernels=enabled_kernels(), exact=exact)
     placed = functools.partial(_on_mesh, bundle.mesh)
+    # each cache's slots past what it holds: the prompt, the new tokens and a tree (the drafter's: a block)
+    needed = [(bundle.target, padded_len + max_new_tokens)] if method == "ar" else [
+        (bundle.target, padded_len + max_new_tokens + nodes),
+        (bundle.drafter, padded_len + max_new_tokens + bundle.drafter.config.block_size)]
+    sizes = [_round_up(n, 128) for _, n in needed]
+    if caches is None:
+        caches = [placed(m.init_cache(len(prompts), size)) for (m, _), size in zip(needed, sizes, strict=True)]
+    else:  # a conversation's: prefilled after what they already hold
+        for cache, size in zip(caches, sizes, strict=True):
+            used = int(np.max(cache.lengths))
+            if used + size > cache.size:
+                raise ValueError(f"a cache of {cache.size} slots holding {used} has no room for the {size} "
+                                 "this call needs")
+        caches = list(caches)
     if method == "ar":
-        size = _round_up(padded_len + max_new_tokens, 128)
-        fn, args = ar_generate, [params, placed(bundle.target.init_cache(len(prompts), size))]
+        fn, args = ar_generate, [params, *caches]
     else:
         drafter_graphdef, drafter_params = nnx.split(bundle.drafter)
         static.update(drafter_graphdef=drafter_graphdef, method=method, options=tuple(sorted(options.items())))
-        size = _round_up(padded_len + max_new_tokens + nodes, 128)
-        dsize = _round_up(padded_len + max_new_tokens + bundle.drafter.config.block_size, 128)
         fn = spec_first_round if round_only else spec_generate
-        args = [params, drafter_params, placed(bundle.target.init_cache(len(prompts), size)),
-                placed(bundle.drafter.init_cache(len(prompts), dsize))]
+        args = [params, drafter_params, *caches]
     args += [placed(a) for a in (batch, lengths, keys)]
     if method == "weaver":
         adapter_graphdef, adapter_params = nnx.split(bundle.adapter)
@@ -379,9 +392,15 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     counts = np.asarray(out.num_tokens)[:real]
     tokens = np.asarray(out.tokens)[:real]
     tokens = [tokens[i, : counts[i]].tolist() for i in range(len(counts))]
-    eos_ids = static["eos_ids"]
-    reasons = ["stop" if t and t[-1] in eos_ids else "length" for t in tokens]
+    reasons = [finish_reason(t, static["eos_ids"], max_new_tokens) for t in tokens]
     return GenerateResult(tokens, run_stats(out, method, tokens, seconds, t1 - t0, static, real, reasons))
+
+
+def finish_reason(tokens: list[int], eos_ids, max_new_tokens: int, stopped: bool = False) -> str:
+    """OpenAI's: "stop" for EOS or a stop string, "length" at max_new_tokens."""
+    if stopped or (tokens and tokens[-1] in eos_ids):
+        return "stop"
+    return "length" if len(tokens) >= max_new_tokens else "stop"
 
 
 def run_stats(out, method: str, tokens: list[list[int]], seconds: float, compile_seconds: float, static: dict,

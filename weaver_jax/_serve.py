@@ -20,7 +20,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from weaver_jax._stream import Slots, Text, check_stop, finish_reason
+from flax import nnx
+
+from weaver_jax._generate import _speculative_setup, finish_reason, target_parameters
+from weaver_jax._stream import Slots, Text, check_stop
 
 MAX_TOKENS_DEFAULT = 256
 METHODS = ("ar", "dflash", "ddtree", "weaver")
@@ -66,6 +69,7 @@ class Engine:
     def __init__(self, bundle, *, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
                  start: bool = True):
         self.bundle, self.max_batch = bundle, max_batch
+        self.parameters = target_parameters(nnx.split(bundle.target)[1])  # for the default tree budgets
         self.context = context or min(bundle.config.max_seq_len, 8192)
         self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.batch_sizes: list[int] = []
@@ -133,28 +137,25 @@ class Engine:
         return True
 
     def _fits(self, slots: Slots, job: Job) -> bool:
+        needed = _bucket(len(job.prompt), 64) + slots.settings["max_new_tokens"] + slots.nodes
         return (job.settings == slots.key and job.max_tokens <= slots.settings["max_new_tokens"]
-                and _bucket(len(job.prompt), 64) + slots.settings["max_new_tokens"] + slots.nodes <= slots.context)
+                and -(-needed // 128) * 128 <= slots.context)  # as `_prepare` checks it: in 128-slot pages
 
     def _slots(self, first: Job, alike: list[Job]) -> Slots:
         """Slots for `first`'s settings, sized for the jobs like it that wait: the cache holds what they need
         (rounded up to a power of two, within the server's context), since every round reads all of it."""
         method, options, temperature, top_p, exact = first.settings
+        size = min(self.max_batch, _bucket(len(alike), 1))  # every row costs a round's compute, used or not
         new = _bucket(max(j.max_tokens for j in alike), MAX_TOKENS_DEFAULT)
-        nodes = 0 if method == "ar" else self._nodes(method, dict(options), temperature)
+        nodes = 0 if method == "ar" else _speculative_setup(self.bundle, method, dict(options), temperature > 0, size,
+                                                            self.parameters)[1]
         longest = max(_bucket(len(j.prompt), 64) for j in alike)
         new = min(new, max(first.max_tokens, self.context - longest - nodes))  # the context bounds the bucket
         context = min(self.context, _bucket(longest + new + nodes, 256))
-        size = min(self.max_batch, _bucket(len(alike), 1))  # every row costs a round's compute, used or not
         slots = Slots(self.bundle, size, method=method, max_new_tokens=new, context=context,
                       temperature=temperature, top_p=top_p, exact=exact, **dict(options))
         slots.key, slots.nodes = first.settings, nodes
         return slots
-
-    def _nodes(self, method, options, temperature) -> int:
-        from weaver_jax._generate import _speculative_setup
-
-        return _speculative_setup(self.bundle, method, options, temperature > 0, self.max_batch)[1]
 
 
 def _messages(body: dict) -> list[dict]:
@@ -259,9 +260,7 @@ class Server:
             raise RequestError(f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the "
                                f"server's context of {self.engine.context} tokens", "max_tokens", status=413)
         if method != "ar":  # the method's options are checked now, not in the generation thread
-            from weaver_jax._generate import _speculative_setup
-
-            _speculative_setup(self.bundle, method, options, temperature > 0, 1)
+            _speculative_setup(self.bundle, method, options, temperature > 0, 1, self.engine.parameters)
         settings = (method, tuple(sorted(options.items())), float(temperature), float(top_p),
                     bool(body.get("exact", False)))
         return Job(prompt, max_tokens, settings, seed, stop, asyncio.get_running_loop())

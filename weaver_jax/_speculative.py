@@ -33,6 +33,9 @@ METHODS = ("dflash", "ddtree", "weaver")
 _GREEDY = Sampling()
 MAX_BUDGET = 4096
 DEFAULT_BUDGET = {"ddtree": 64, "weaver": 24}  # weaver: the measured best at B = 1 on an H200 (BENCHMARKS.md)
+# Weaver's candidates per depth: the pool only bounds what may be proposed, and its top-k is the round's costliest
+# selection; 64 of the shipped adapter's 512 cost 1% of greedy τ and measured fastest on an H200 (BENCHMARKS.md)
+DEFAULT_POOL = 64
 # A target of a billion parameters or more streams gigabytes a step, so a tree costs its rows, not its kernel
 # launches: budgets whose node count fills a 16 / 32 / 64-row product tile, smaller as the batch grows (on an
 # H200 at the Qwen3-8B and Qwen3.6-27B shapes, BENCHMARKS.md "projected speedup at scale": Weaver 63 at B = 1,
@@ -48,9 +51,6 @@ def default_budget(method: str, batch: int = 1, target_parameters: int = 0) -> i
         return DEFAULT_BUDGET[method]
     budgets = _LARGE_BUDGETS[method]
     return next((b for b in budgets if batch * (b + 1) <= _LARGE_ROWS[method]), budgets[-1])
-# Weaver's candidates per depth: the pool only bounds what may be proposed, and its top-k is the round's costliest
-# selection; 64 of the shipped adapter's 512 cost 1% of greedy τ and measured fastest on an H200 (BENCHMARKS.md)
-DEFAULT_POOL = 64
 
 
 def tree_options(method: str, options: dict, *, block_size: int, vocab_size: int, pool_size: int = 0,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from weaver_jax import _generate
+from weaver_jax._generate import finish_reason, sequence_keys
 
 # A call has a fixed cost besides its rounds (measured 4-6 ms on an H200 at SmolLM2's shape, BENCHMARKS), so
 # unless told otherwise a stream sizes its calls to take about CALL_SECONDS each, starting small (a quick first
@@ -59,6 +60,18 @@ class Programs:
         if key not in self.compiled:
             self.compiled[key] = _generate._compiled(fn, self.static, *args)
         return self.compiled[key](*args)
+
+
+def loop(method: str, programs: Programs, args: list):
+    """The chunked loop over `_generate._prepare`'s `args`: -> (start(args) -> state, advance(state, keys, halt,
+    rounds) -> (state, window), the keys)."""
+    from weaver_jax._speculative import spec_advance, spec_start
+
+    if method == "ar":
+        return (lambda a: programs(_generate.ar_start, *a),
+                lambda s, keys, halt, n: programs(_generate.ar_advance, args[0], s, keys, halt, n), args[4])
+    return (lambda a: programs(spec_start, *a),
+            lambda s, keys, halt, n: programs(spec_advance, *args[:2], s, keys, halt, n, *args[7:]), args[6])
 
 
 class StreamChunk(NamedTuple):
@@ -119,34 +132,21 @@ class Run:
     def __init__(self, bundle, prompts, *, method: str, max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, eos_token_id=None, pad_to=None, exact=False, rounds_per_call: int | None = None,
                  caches: tuple | None = None, **method_options):
-        fn, static, args = _generate._prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
-                                              seed, eos_token_id, method_options, pad_to=pad_to, exact=exact)
-        plain = method == "ar"
-        if caches is not None:  # a conversation's: the prompts are prefilled after what they already hold
-            at = slice(1, 2) if plain else slice(2, 4)
-            for cache, fresh in zip(caches, args[at], strict=True):
-                used = int(np.max(cache.lengths))
-                if used + fresh.size > cache.size:
-                    raise ValueError(f"a cache of {cache.size} slots holding {used} has no room for the {fresh.size} "
-                                     "this call needs")
-            args[at] = list(caches)
+        _, static, args = _generate._prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
+                                             seed, eos_token_id, method_options, pad_to=pad_to, exact=exact,
+                                             caches=caches)
         self.pace = Pace(rounds_per_call)
         self.bundle, self.method, self.static, self.real = bundle, method, static, len(prompts)
         self.max_new_tokens, self.eos_ids = max_new_tokens, static["eos_ids"]
-        batch = args[1 if plain else 2].lengths.shape[0]  # the cache's: a mesh may have padded the batch
+        start, advance, keys = loop(method, Programs(static), args)
+        batch = keys.shape[0]  # a mesh may have padded the batch
         self.halted = np.zeros((batch,), bool)
         self.done = np.zeros((batch,), bool)
         self.counts = np.zeros((batch,), np.int64)
-        from weaver_jax._speculative import spec_advance, spec_start
-
         t0 = time.perf_counter()
         with _generate._mesh_scope(bundle):
-            run = Programs(static)
-            self.state = run(_generate.ar_start if plain else spec_start, *args)
-        if plain:
-            self._advance = lambda s, halt, n: run(_generate.ar_advance, args[0], s, args[4], halt, n)
-        else:
-            self._advance = lambda s, halt, n: run(spec_advance, *args[:2], s, args[6], halt, n, *args[7:])
+            self.state = start(args)
+        self._advance = lambda s, halt, n: advance(s, keys, halt, n)
         self.first = [int(t) for t in np.asarray(self.state.tokens)[:, 0]]
         self.start_seconds = time.perf_counter() - t0
         self.seconds = 0.0
@@ -166,25 +166,27 @@ class Run:
     def __iter__(self) -> Iterator[list[list[int]]]:
         """Each call's new tokens per prompt (the prefill's first token first)."""
         t0 = time.perf_counter()
-        first = [[t] for t in self.first]
-        for i, new in enumerate(first):
-            self._update(i, new)
-        yield first[: self.real]
-        pending = None if self._finished() else self._dispatch(self.state)
-        while pending is not None:
-            state, window = pending
-            # the next call goes out before this one's tokens are read (halts reach the call after it);
-            # `self.state` is always the newest state, the one no call has been given (donated) yet
-            pending = None if self._finished() else self._dispatch(state)
-            window = np.asarray(window)
-            self.pace.tick()
-            new = [[int(t) for t in row if t >= 0] if not self.done[i] else [] for i, row in enumerate(window)]
-            for i, tokens in enumerate(new):
-                self._update(i, tokens)
-            yield new[: self.real]
-            if self._finished():
-                pending = None
-        self.seconds = time.perf_counter() - t0
+        try:
+            first = [[t] for t in self.first]
+            for i, new in enumerate(first):
+                self._update(i, new)
+            yield first[: self.real]
+            pending = None if self._finished() else self._dispatch(self.state)
+            while pending is not None:
+                state, window = pending
+                # the next call goes out before this one's tokens are read (halts reach the call after it);
+                # `self.state` is always the newest state, the one no call has been given (donated) yet
+                pending = None if self._finished() else self._dispatch(state)
+                window = np.asarray(window)
+                self.pace.tick()
+                new = [[int(t) for t in row if t >= 0] if not self.done[i] else [] for i, row in enumerate(window)]
+                for i, tokens in enumerate(new):
+                    self._update(i, tokens)
+                yield new[: self.real]
+                if self._finished():
+                    pending = None
+        finally:  # also when the caller stops reading early (a stop string, a closed stream)
+            self.seconds = time.perf_counter() - t0
 
     def _finished(self) -> bool:
         return bool(np.all((self.done | self.halted)[: self.real]))
@@ -221,21 +223,14 @@ class Slots:
         self.bundle, self.size, self.method, self.context = bundle, size, method, context
         self.settings = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, exact=exact, method_options=method_options)
-        plain = method == "ar"
-        self._at = (1, 4) if plain else (2, 6)  # where _prepare's args hold the caches and the keys
-        _, self.static, args = self._prepare([[0]] * size, [0] * size)
-        self.keys = args[self._at[1]]
+        self.static, args = self._prepare([[0]] * size, [0] * size)
+        budget = dict(self.static.get("options", ())).get("budget")
+        if budget is not None:  # an insert prepares a batch of one: the default budget would be one's, not ours
+            self.settings["method_options"] = method_options | {"budget": budget}
+        self._start, self._advance, self.keys = loop(method, Programs(self.static), args)
         self.pace = Pace(rounds_per_call)
-        from weaver_jax._speculative import spec_advance, spec_start
-
-        self._start = _generate.ar_start if plain else spec_start
-        self._run = run = Programs(self.static)
-        if plain:
-            self._advance = lambda s, keys, halt, n: run(_generate.ar_advance, args[0], s, keys, halt, n)
-        else:
-            self._advance = lambda s, keys, halt, n: run(spec_advance, *args[:2], s, keys, halt, n, *args[7:])
         with _generate._mesh_scope(bundle):
-            state = run(self._start, *args)
+            state = self._start(args)
         self.state = state._replace(done=jnp.ones_like(state.done))  # every row free
         self.occupant: list = [None] * size
         self.halted = np.ones((size,), bool)
@@ -243,26 +238,25 @@ class Slots:
         self._first: dict = {}  # row -> the prefill's first token (an array), for the next step to report
 
     def _prepare(self, prompts, seeds, pad_to=None):
+        """-> (static, args) for these prompts, with fresh caches of the slots' `context` positions."""
         s = self.settings
-        fn, static, args = _generate._prepare(self.bundle, prompts, s["method"], s["max_new_tokens"],
-                                              s["temperature"], s["top_k"], s["top_p"], seeds, None,
-                                              s["method_options"], pad_to=pad_to, exact=s["exact"])
-        caches = (self.bundle.target.init_cache(len(prompts), self.context),) + (
-            () if s["method"] == "ar" else (self.bundle.drafter.init_cache(len(prompts), self.context),))
-        first = self._at[0]
-        args[first:first + len(caches)] = list(caches)
-        return fn, static, args
+        caches = [self.bundle.target.init_cache(len(prompts), self.context)] + (
+            [] if s["method"] == "ar" else [self.bundle.drafter.init_cache(len(prompts), self.context)])
+        _, static, args = _generate._prepare(self.bundle, prompts, s["method"], s["max_new_tokens"],
+                                             s["temperature"], s["top_k"], s["top_p"], seeds, None,
+                                             s["method_options"], pad_to=pad_to, exact=s["exact"], caches=caches)
+        return static, args
 
     def free(self) -> list[int]:
         return [i for i, o in enumerate(self.occupant) if o is None]
 
     def insert(self, row: int, occupant, prompt: list[int], seed: int, pad_to: int) -> None:
         """Prefill `prompt` into free row `row` for `occupant`; its first token comes with the next `step`."""
-        _, _, args = self._prepare([prompt], [seed], pad_to=pad_to)
+        _, args = self._prepare([prompt], [seed], pad_to=pad_to)
         with _generate._mesh_scope(self.bundle):
-            one = self._run(self._start, *args)
+            one = self._start(args)
             self.state = insert_row(self.state, one, row)
-        self.keys = self.keys.at[row].set(args[self._at[1]][0])
+        self.keys = self.keys.at[row].set(sequence_keys([seed], 1)[0])
         self.occupant[row], self.halted[row] = occupant, False
         self._first[row] = one.tokens
 
@@ -288,13 +282,6 @@ class Slots:
         return opened + (out or [])
 
 
-def finish_reason(tokens: list[int], eos_ids, max_new_tokens: int, stopped: bool = False) -> str:
-    """OpenAI's: "stop" for EOS or a stop string, "length" at max_new_tokens."""
-    if stopped or (tokens and tokens[-1] in eos_ids):
-        return "stop"
-    return "length" if len(tokens) >= max_new_tokens else "stop"
-
-
 def check_stop(stop, tokenizer) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -318,11 +305,7 @@ class TokenStream:
 
     def __iter__(self) -> Iterator[StreamChunk]:
         for new in self._run:
-            if self._text.stopped:
-                break
             chunk = self._text.add(new[0])
-            if self._text.stopped:
-                self._run.halt(0)
             self.tokens += chunk.tokens
             self.text += chunk.text
             if chunk.tokens or chunk.text:
