@@ -5,7 +5,7 @@ import functools
 import pytest
 
 import weaver_jax as wj
-from weaver_jax._stream import Text
+from weaver_jax._stream import Slots, Text
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 NEW = 24
@@ -66,6 +66,22 @@ def test_a_stop_string_ends_its_own_sequence_of_a_batch():
     assert stopped.tokens[1] == full[1] and stopped.tokens[0] == full[0][: len(stopped.tokens[0])]
     assert stop in b.tokenizer.decode(stopped.tokens[0]) and stop not in b.tokenizer.decode(stopped.tokens[0][:-1])
     assert stopped.stats["finish_reasons"][0] == "stop"
+
+
+def test_slots_prefill_joining_sequences_together_and_each_emits_what_it_would_alone():
+    """Three sampled sequences join rows 3, 0 and 2 of four in one insert (a batch of four with a dropped
+    row): each emits `generate`'s tokens for it alone, with its own seed."""
+    b, seeds = bundle(), [11, 12, 13]
+    prompts = [PROMPT, PROMPT[:2], [9, 8, 7, 6, 5, 4, 3]]
+    options = dict(method="ar", max_new_tokens=8, temperature=1.0)
+    slots = Slots(b, 4, context=128, **options)
+    slots.insert([3, 0, 2], ["a", "b", "c"], prompts, seeds, pad_to=32)
+    got = {"a": [], "b": [], "c": []}
+    for _ in range(10):  # each call runs a round at least: 8 tokens (or EOS) each, and more calls than needed
+        for occupant, tokens in slots.step():
+            got[occupant] += tokens
+    for name, prompt, seed in zip("abc", prompts, seeds, strict=True):
+        assert got[name] == wj.generate(b, [prompt], seed=[seed], **options).tokens[0], name
 
 
 def test_stream_errors_name_the_problem():

@@ -160,10 +160,20 @@ def advance(state, iterations, width: int, body):
 def sequence_keys(seed: int | Sequence[int], batch: int) -> jax.Array:
     """One PRNG key per sequence: `fold_in(key(seed), i)` for an int seed, `key(seed[i])` for a list."""
     if isinstance(seed, (int, np.integer)):
-        return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(int(seed)), jnp.arange(batch))
+        if -(2**31) <= seed < 2**31:  # one compiled program (a streaming call's start pays no tracing)
+            return _folded_keys_jit(int(seed), batch)
+        return _folded_keys(int(seed), batch)  # a 64-bit seed: eagerly, as jax.random.key takes it
     if len(seed) != batch:
         raise ValueError(f"got {len(seed)} seeds for {batch} prompts")
-    return jax.vmap(jax.random.key)(jnp.asarray(seed, jnp.uint32))
+    return _listed_keys(jnp.asarray(seed, jnp.uint32))
+
+
+def _folded_keys(seed, batch: int) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.key(seed), jnp.arange(batch))
+
+
+_folded_keys_jit = jax.jit(_folded_keys, static_argnums=1)
+_listed_keys = jax.jit(jax.vmap(jax.random.key))
 
 
 @dataclasses.dataclass
@@ -216,8 +226,9 @@ def _compiled(fn, static: dict, *args):
     """AOT-compile `fn` once per static configuration, argument shapes and shardings (a bundle on a mesh
     compiles its own program) and `COMPILER_OPTIONS`, so timing excludes it."""
     options = COMPILER_OPTIONS["ar" if fn in (ar_generate, ar_start, ar_advance) else "spec"]
-    shapes = jax.tree.map(lambda a: (a.shape, a.dtype, getattr(a, "sharding", None)), args)
-    key = (fn, tuple(sorted(static.items())), str(shapes), tuple(sorted(options.items())))
+    leaves, treedef = jax.tree.flatten(args)  # not str() of the tree: nnx's repr of a model's state takes ~10 ms
+    shapes = treedef, tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in leaves)
+    key = (fn, tuple(sorted(static.items())), shapes, tuple(sorted(options.items())))
     if key not in _COMPILED:
         _COMPILED[key] = fn.lower(*args, **static).compile(compiler_options=options or None)
     return _COMPILED[key]

@@ -104,12 +104,12 @@ class Engine:
                         continue
                 if slots is None:  # every waiting job was cancelled before it started
                     continue
-                for row in slots.free():
-                    job = next((j for j in waiting if self._fits(slots, j)), None)
-                    if job is None:
-                        break
+                joining = [j for j in waiting if self._fits(slots, j)][: len(slots.free())]
+                if joining:  # prefilled together: one call, not one per job
+                    slots.insert(slots.free()[: len(joining)], joining, [j.prompt for j in joining],
+                                 [j.seed for j in joining], max(_bucket(len(j.prompt), 64) for j in joining))
+                for job in joining:
                     waiting.remove(job)
-                    slots.insert(row, job, job.prompt, job.seed, _bucket(len(job.prompt), 64))
                     texts[id(job)] = Text(self.bundle.tokenizer, job.stop)
                 self.batch_sizes.append(sum(o is not None for o in slots.occupant))
                 for job, tokens in slots.step():

@@ -1,11 +1,12 @@
 """Streaming and stop strings: `generate`'s prefill and rounds, a few per jitted call.
 
 `Run` drives a batch through `ar_start` / `ar_advance` (or `spec_start` / `spec_advance`): each call runs a few
-rounds on the device (`Pace`: about 50 ms of them) and returns the tokens they emitted; the next call is
-dispatched before the last one's tokens are read, so the device does not wait on the host between calls (a
-host callback per round would). What a sequence emits is what `generate` emits for it: the same functions, keys
-and order. `Slots` is the same loop with rows that sequences join (`insert_row`) and leave between calls: the
-server's continuous batching. `Text` turns a sequence's tokens into text increments safe to show (no half of a
+rounds on the device (`Pace`: about CALL_SECONDS of them) and returns the tokens they emitted, with no host
+callback per round. The next call is dispatched before the last one's tokens are read, which overlaps them where
+a call returns at once (on an H200 a call returns only when its loop ends: the loop's trip count lives on the
+device). What a sequence emits is what `generate` emits for it: the same functions, keys and order. `Slots` is
+the same loop with rows that sequences join (`insert_rows`) and leave between calls: the server's continuous
+batching. `Text` turns a sequence's tokens into text increments safe to show (no half of a
 UTF-8 character, no text that may still become a stop string) and finds where a stop string ends it.
 """
 
@@ -23,10 +24,10 @@ import numpy as np
 from weaver_jax import _generate
 from weaver_jax._generate import finish_reason, sequence_keys
 
-# A call has a fixed cost besides its rounds (measured 4-6 ms on an H200 at SmolLM2's shape, BENCHMARKS), so
-# unless told otherwise a stream sizes its calls to take about CALL_SECONDS each, starting small (a quick first
-# chunk); the rounds per call are traced, so changing them compiles nothing.
-CALL_SECONDS = 0.05
+# A call has a fixed cost besides its rounds (measured 1.5-2.5 ms on an H200 at SmolLM2's shape, BENCHMARKS), so
+# unless told otherwise a stream sizes its calls to take about CALL_SECONDS each (text in ~10 updates a second),
+# starting small (a quick first chunk); the rounds per call are traced, so changing them compiles nothing.
+CALL_SECONDS = 0.1
 FIRST_ROUNDS = 4
 
 
@@ -45,6 +46,20 @@ class Pace:
             scaled = self.rounds * CALL_SECONDS / max(now - self.last, 1e-4)
             self.rounds = int(np.clip(round(scaled), 1, _generate.MAX_ROUNDS_PER_CALL))
         self.last = now
+
+
+class Uploaded:
+    """A small host array's device copy, uploaded again only when the array changes: an upload costs a streaming
+    call ~0.5 ms on an H200 (measured), two a call (the halted rows, the rounds) before this."""
+
+    def __init__(self, place=jnp.asarray):
+        self.place, self.host, self.device = place, None, None
+
+    def __call__(self, value) -> jax.Array:
+        value = np.asarray(value)
+        if self.host is None or not np.array_equal(self.host, value):
+            self.host, self.device = value.copy(), self.place(value)
+        return self.device
 
 
 class Programs:
@@ -141,6 +156,7 @@ class Run:
         start, advance, keys = loop(method, Programs(static), args)
         batch = keys.shape[0]  # a mesh may have padded the batch
         self.halted = np.zeros((batch,), bool)
+        self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
         self.done = np.zeros((batch,), bool)
         self.counts = np.zeros((batch,), np.int64)
         t0 = time.perf_counter()
@@ -193,8 +209,7 @@ class Run:
 
     def _dispatch(self, state):
         with _generate._mesh_scope(self.bundle):
-            out = self._advance(state, _generate._on_mesh(self.bundle.mesh, jnp.asarray(self.halted)),
-                                jnp.int32(self.pace.rounds))
+            out = self._advance(state, self._halt(self.halted), self._rounds(np.int32(self.pace.rounds)))
         self.state = out[0]
         return out
 
@@ -205,11 +220,11 @@ class Run:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def insert_row(state, one, row):
-    """`state` (a batch's loop state) with row `row` replaced by `one`'s only row (a batch of one, prefilled);
-    scalars (loop counters) stay the batch's."""
-    return jax.tree.map(lambda big, small: big if big.ndim == 0 else
-                        jax.lax.dynamic_update_index_in_dim(big, small[0], row, 0), state, one)
+def insert_rows(state, new, rows):
+    """`state` (a batch's loop state) with rows `rows [K]` replaced by `new`'s K rows (a batch prefilled apart;
+    a row index past the batch drops that row); scalars (loop counters) stay the batch's."""
+    return jax.tree.map(lambda big, small: big if big.ndim == 0 else big.at[rows].set(small, mode="drop"),
+                        state, new)
 
 
 class Slots:
@@ -234,8 +249,9 @@ class Slots:
         self.state = state._replace(done=jnp.ones_like(state.done))  # every row free
         self.occupant: list = [None] * size
         self.halted = np.ones((size,), bool)
+        self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
         self._pending = None  # (the call's output, the occupants it ran for)
-        self._first: dict = {}  # row -> the prefill's first token (an array), for the next step to report
+        self._first: dict = {}  # row -> (an insert's first tokens `[K, T]`, the row's index in them) to report
 
     def _prepare(self, prompts, seeds, pad_to=None):
         """-> (static, args) for these prompts, with fresh caches of the slots' `context` positions."""
@@ -250,15 +266,22 @@ class Slots:
     def free(self) -> list[int]:
         return [i for i, o in enumerate(self.occupant) if o is None]
 
-    def insert(self, row: int, occupant, prompt: list[int], seed: int, pad_to: int) -> None:
-        """Prefill `prompt` into free row `row` for `occupant`; its first token comes with the next `step`."""
-        _, args = self._prepare([prompt], [seed], pad_to=pad_to)
+    def insert(self, rows: list[int], occupants: list, prompts: list[list[int]], seeds: list[int],
+               pad_to: int) -> None:
+        """Prefill `prompts` (one per free row of `rows`, for `occupants`) as one batch into those rows; their
+        first tokens come with the next `step`. The batch is padded to a power of two (fewer programs to
+        compile) with copies of the first prompt, whose rows are dropped."""
+        k = len(rows)
+        batch = min(self.size, 1 << (k - 1).bit_length())
+        _, args = self._prepare(prompts + prompts[:1] * (batch - k), seeds + seeds[:1] * (batch - k), pad_to=pad_to)
         with _generate._mesh_scope(self.bundle):
-            one = self._start(args)
-            self.state = insert_row(self.state, one, row)
-        self.keys = self.keys.at[row].set(sequence_keys([seed], 1)[0])
-        self.occupant[row], self.halted[row] = occupant, False
-        self._first[row] = one.tokens
+            new = self._start(args)
+            extra = new.tokens.shape[0] - k  # the padding, and a mesh's fill-up to its `data` axis
+            self.state = insert_rows(self.state, new, jnp.asarray(rows + [self.size] * extra))
+        self.keys = self.keys.at[jnp.asarray(rows)].set(sequence_keys(seeds, k))
+        for j, (row, occupant) in enumerate(zip(rows, occupants, strict=True)):
+            self.occupant[row], self.halted[row] = occupant, False
+            self._first[row] = (new.tokens, j)
 
     def release(self, row: int) -> None:
         """Row `row`'s sequence has ended (or its client has gone): the row stops and is free for the next."""
@@ -275,10 +298,11 @@ class Slots:
             self.pace.tick()
             out = [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
         with _generate._mesh_scope(self.bundle):
-            call = self._advance(self.state, self.keys, jnp.asarray(self.halted), jnp.int32(self.pace.rounds))
+            call = self._advance(self.state, self.keys, self._halt(self.halted),
+                                 self._rounds(np.int32(self.pace.rounds)))
         self.state = call[0]
         self._pending = (call, list(self.occupant))
-        opened = [(self.occupant[row], [int(np.asarray(tokens)[0, 0])]) for row, tokens in firsts.items()]
+        opened = [(self.occupant[row], [int(np.asarray(tokens)[j, 0])]) for row, (tokens, j) in firsts.items()]
         return opened + (out or [])
 
 
