@@ -5,8 +5,8 @@
 Starts the server in this process (uvicorn, 127.0.0.1, a free port) for the named model (default: the shipped
 SmolLM2 pair), then for each method (`--methods`, "ar" = speculation off) and concurrency C sends `--requests`
 chat requests from C client threads (the official `openai` client), T = 0, EOS off so every answer has
-`--max-tokens` tokens: aggregate completion tokens/s and p50 / p99 request latency. Before the timed requests, one
-round of C requests compiles what they need. As the baseline, one `generate` call on the same prompts (the
+`--max-tokens` tokens: aggregate completion tokens/s and p50 / p99 request latency. The server compiles its
+programs for T = 0 first (`warmup`), and one untimed round of C requests precedes the timed ones. As the baseline, one `generate` call on the same prompts (the
 first `--max-batch` of them as one batch) gives tokens/s for `speculative_batch_vs_generate`. It stops by itself.
 """
 
@@ -62,7 +62,8 @@ def main():
                        name=bundle.name)  # EOS off: every answer is max_tokens long
     rows = []
     for method in args.methods:
-        app = Server(bundle, model_name="m", method=method, max_batch=args.max_batch, max_queue=4 * args.requests)
+        app = Server(bundle, model_name="m", method=method, max_batch=args.max_batch, max_queue=4 * args.requests,
+                     warmup=(0.0,))
         server, port = start(app.app)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                                timeout=3600)

@@ -1,17 +1,22 @@
 """The OpenAI-compatible server: responses are `generate`'s text, streamed or not; bad requests are 400s."""
 
 import concurrent.futures
+import contextlib
 import functools
 import json
 import threading
+import time
 
+import numpy as np
 import openai
 import pytest
 import uvicorn
 from starlette.testclient import TestClient
 
 import weaver_jax as wj
+from weaver_jax import _generate
 from weaver_jax._serve import Server
+from weaver_jax._stream import insert_rows
 
 MESSAGES = [{"role": "user", "content": "hi there"}]
 
@@ -71,11 +76,13 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one():
     """Two slots, three requests: the first two start together, each ends at its own limit or stop string, and
     the third takes the slot the short one frees while the first runs on; every reply is `generate`'s."""
     b = bundle()
-    server = Server(b, method="dflash", max_batch=2, start=False)  # the engine starts once all three wait
-    client = TestClient(server.app)
     other = [{"role": "user", "content": "tell me more"}]
     prompt = b.tokenizer.apply_chat_template(MESSAGES)
     full, _ = expected(prompt, 16, "dflash")
+    want = [expected(prompt, 2, "dflash")[0], expected(b.tokenizer.apply_chat_template(other), 6, "dflash")[0]]
+    server = Server(b, method="dflash", max_batch=2, start=False, warmup=(0.0,))  # the engine starts once
+    programs = len(_generate._COMPILED), insert_rows._cache_size()  # all three wait; nothing compiles after
+    client = TestClient(server.app)
     stop = next(c for c in full[4:] if c != "\ufffd")
     requests = [{"messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stop": stop},
                 {"messages": MESSAGES, "max_tokens": 2, "temperature": 0},
@@ -94,23 +101,31 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one():
     for t in threads:
         t.join()
     content = [r["choices"][0]["message"]["content"] for r in replies]
-    assert content == [full[: full.index(stop)], expected(prompt, 2, "dflash")[0],
-                       expected(b.tokenizer.apply_chat_template(other), 6, "dflash")[0]]
+    assert content == [full[: full.index(stop)], *want]
     assert replies[0]["choices"][0]["finish_reason"] == "stop"
     assert max(server.engine.batch_sizes) == 2 and server.engine.batch_sizes[0] == 2
+    assert (len(_generate._COMPILED), insert_rows._cache_size()) == programs  # the warm-up compiled them
 
 
-def test_the_official_openai_client_against_a_loopback_server():
-    b = bundle()
-    server = uvicorn.Server(uvicorn.Config(Server(b, model_name="tiny", method="ar").app, host="127.0.0.1",
-                                           port=0, log_level="warning"))  # the protocol: plain decoding will do
+@contextlib.contextmanager
+def loopback(app):
+    """The app served by uvicorn on a free loopback port: -> an official openai client for it."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         threading.Event().wait(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def test_the_official_openai_client_against_a_loopback_server():
+    b = bundle()
+    with loopback(Server(b, model_name="tiny", method="ar").app) as client:  # the protocol: plain decoding will do
         assert [m.id for m in client.models.list()] == ["tiny"]
         text = expected(b.tokenizer.apply_chat_template(MESSAGES), 8, "ar")[0]
         reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0)
@@ -131,9 +146,26 @@ def test_the_official_openai_client_against_a_loopback_server():
         assert reply.choices[0].message.content == b.tokenizer.decode(want, skip_special_tokens=True)
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
             client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=0)
-    finally:
-        server.should_exit = True
-        thread.join()
+
+
+def test_a_client_gone_mid_stream_frees_its_row_and_the_server_serves_on():
+    b = bundle()
+    endless = wj.Bundle(b.target, b.tokenizer, eos_token_ids=(), name="tiny")  # only max_tokens ends a sequence
+    server = Server(endless, method="ar")
+    with loopback(server.app) as client:
+        stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=480, temperature=0,
+                                                stream=True)
+        chunks = iter(stream)
+        while not next(chunks).choices[0].delta.content:  # until a token has come: the sequence runs
+            pass
+        stream.close()
+        deadline = time.monotonic() + 60
+        while any(o is not None for o in server.engine.slots.occupant):
+            assert time.monotonic() < deadline, "the row of a client that went away was never freed"
+            time.sleep(0.01)
+        assert int(np.max(np.asarray(server.engine.slots.state.num_tokens))) < 480  # ended early
+        reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0)
+        assert reply.usage.completion_tokens == 4
 
 
 @pytest.mark.parametrize("body, param, message", [

@@ -1,12 +1,13 @@
 """An OpenAI-compatible HTTP server (`weaver-jax serve`): Starlette routes over one generation thread.
 
-`Engine` owns the device. Requests wait in a queue; each wave takes the waiting requests that can share a
-program (the same method, options, temperature, top-p and exact mode) - up to `max_batch` - and runs them as one
-batch through `_stream.Run`, speculation on: every request gets its tokens as the rounds complete, ends at its
-own `max_tokens`, stop string or EOS (halted there while the others go on), and a client that goes away is
-halted too. Batch sizes (1, 2, 4, ...), prompt lengths and `max_tokens` are rounded up to buckets, so a few
-programs serve every request; a request's tokens do not depend on its bucket (a sequence is its own: greedy
-output is `generate`'s for that prompt, sampled output `generate(..., seed=[seed])`'s).
+`Engine` owns the device. Requests wait in a queue; slots (`_stream.Slots`) run the waiting requests that can
+share a program (the same method, options, temperature, top-p and exact mode) - up to `max_batch` - as one batch,
+speculation on: requests join free rows between calls (those waiting prefilled together), get their tokens as
+the rounds complete, and leave at their own `max_tokens`, stop string or EOS; a client that goes away frees its
+row at the next call. Batch sizes (1, 2, 4, ...), prompt lengths and `max_tokens` are rounded up to buckets, so
+a few programs serve every request (`warmup` compiles them before the first); a request's tokens do not depend
+on its bucket or its neighbours (greedy output is `generate`'s for that prompt, sampled output
+`generate(..., seed=[seed])`'s).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import dataclasses
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -73,6 +75,7 @@ class Engine:
         self.context = context or min(bundle.config.max_seq_len, 8192)
         self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.batch_sizes: list[int] = []
+        self.slots: Slots | None = None  # the newest slots (the generation thread's)
         if start:
             self.start()
 
@@ -97,7 +100,7 @@ class Engine:
                 alike = [j for j in waiting if j.settings == waiting[0].settings]
                 if not busy and waiting and (slots is None or not self._fits(slots, waiting[0])
                                              or len(alike) > slots.size < self.max_batch):
-                    slots = self._slots(waiting[0], alike)
+                    slots = self.slots = self._slots(waiting[0], alike)
                     if not self._fits(slots, waiting[0]):  # not even alone: say so rather than wait forever
                         waiting.pop(0).send("error", "the prompt and max_tokens do not fit the server's context "
                                                      f"of {self.context} tokens", 0)
@@ -106,8 +109,9 @@ class Engine:
                     continue
                 joining = [j for j in waiting if self._fits(slots, j)][: len(slots.free())]
                 if joining:  # prefilled together: one call, not one per job
+                    pad = min(max(_bucket(len(j.prompt), 64) for j in joining), self._room(slots))
                     slots.insert(slots.free()[: len(joining)], joining, [j.prompt for j in joining],
-                                 [j.seed for j in joining], max(_bucket(len(j.prompt), 64) for j in joining))
+                                 [j.seed for j in joining], pad)
                 for job in joining:
                     waiting.remove(job)
                     texts[id(job)] = Text(self.bundle.tokenizer, job.stop)
@@ -120,6 +124,20 @@ class Engine:
                 for job in ([o for o in slots.occupant if o is not None] if slots else []) + waiting:
                     job.send("error", f"{type(e).__name__}: {e}", 0)
                 slots, waiting, texts = None, [], {}
+
+    def warm_up(self, settings: tuple) -> None:
+        """Compile what requests with `settings` run: slots of every size the engine makes (powers of two up to
+        `max_batch`) for prompts up to 64 tokens and max_tokens up to MAX_TOKENS_DEFAULT, an insert and calls."""
+        size = 1
+        while True:
+            jobs = [Job([0], MAX_TOKENS_DEFAULT, settings, 0, (), None) for _ in range(size)]
+            slots = self._slots(jobs[0], jobs)
+            slots.insert(list(range(size)), jobs, [j.prompt for j in jobs], [0] * size, 64)
+            slots.step()
+            slots.step()
+            if size >= self.max_batch:
+                return
+            size = min(2 * size, self.max_batch)
 
     def _emit(self, job: Job, tokens: list[int], text: Text) -> bool:
         """Send a job its new text; -> whether it has ended (its max_tokens, a stop string, EOS, its client gone)."""
@@ -136,10 +154,14 @@ class Engine:
         job.send("end", finish_reason(text.tokens, eos, job.max_tokens, text.stopped), len(text.tokens))
         return True
 
+    @staticmethod
+    def _room(slots: Slots) -> int:
+        """The prompt positions a row of `slots` has beside its new tokens and a tree."""
+        return slots.context - slots.settings["max_new_tokens"] - slots.nodes
+
     def _fits(self, slots: Slots, job: Job) -> bool:
-        needed = _bucket(len(job.prompt), 64) + slots.settings["max_new_tokens"] + slots.nodes
         return (job.settings == slots.key and job.max_tokens <= slots.settings["max_new_tokens"]
-                and -(-needed // 128) * 128 <= slots.context)  # as `_prepare` checks it: in 128-slot pages
+                and len(job.prompt) <= self._room(slots))
 
     def _slots(self, first: Job, alike: list[Job]) -> Slots:
         """Slots for `first`'s settings, sized for the jobs like it that wait: the cache holds what they need
@@ -182,7 +204,10 @@ class Server:
 
     def __init__(self, bundle, *, model_name: str | None = None, method: str = "weaver", max_batch: int = 8,
                  max_queue: int = 64, context: int | None = None, api_key: str | None = None, start: bool = True,
-                 **method_options):
+                 warmup: tuple[float, ...] = (), **method_options):
+        """warmup: temperatures whose programs for `method` are compiled before the server starts (every batch
+        size, prompts up to 64 tokens, max_tokens up to 256): no request meeting those waits for a compiler
+        (seconds each). Other settings compile on their first request."""
         if bundle.tokenizer is None:
             raise ValueError("serving needs the bundle's tokenizer (bundle.tokenizer is None)")
         _require("starlette")
@@ -192,7 +217,11 @@ class Server:
         self.bundle, self.model_name = bundle, model_name or bundle.name or "weaver-jax"
         self.method, self.method_options = method, method_options
         self.api_key = api_key
-        self.engine = Engine(bundle, max_batch=max_batch, max_queue=max_queue, context=context, start=start)
+        self.engine = Engine(bundle, max_batch=max_batch, max_queue=max_queue, context=context, start=False)
+        for temperature in warmup:
+            self.engine.warm_up((method, tuple(sorted(method_options.items())), float(temperature), 1.0, False))
+        if start:
+            self.engine.start()
         self.app = Starlette(routes=[
             Route("/health", self.health), Route("/v1/models", self.models),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -362,4 +391,10 @@ def serve(bundle, *, host: str = "127.0.0.1", port: int = 8000, **server_options
     _require("uvicorn")
     import uvicorn
 
-    uvicorn.run(Server(bundle, **server_options).app, host=host, port=port, log_level="info")
+    t0 = time.perf_counter()
+    if server_options.get("warmup"):
+        print(f"compiling for temperatures {list(server_options['warmup'])}, batch sizes up to "
+              f"{server_options.get('max_batch', 8)} (--warmup) ...", file=sys.stderr, flush=True)
+    server = Server(bundle, **server_options)
+    print(f"ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    uvicorn.run(server.app, host=host, port=port, log_level="info")

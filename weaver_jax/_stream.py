@@ -269,10 +269,10 @@ class Slots:
     def insert(self, rows: list[int], occupants: list, prompts: list[list[int]], seeds: list[int],
                pad_to: int) -> None:
         """Prefill `prompts` (one per free row of `rows`, for `occupants`) as one batch into those rows; their
-        first tokens come with the next `step`. The batch is padded to a power of two (fewer programs to
-        compile) with copies of the first prompt, whose rows are dropped."""
-        k = len(rows)
-        batch = min(self.size, 1 << (k - 1).bit_length())
+        first tokens come with the next `step`. The batch is the slots' size (one prefill program per size and
+        prompt bucket, compiled ahead by a server's warm-up), filled with copies of the first prompt whose rows
+        are dropped."""
+        k, batch = len(rows), self.size
         _, args = self._prepare(prompts + prompts[:1] * (batch - k), seeds + seeds[:1] * (batch - k), pad_to=pad_to)
         with _generate._mesh_scope(self.bundle):
             new = self._start(args)

@@ -88,7 +88,8 @@ def _serve(args) -> int:
     bundle = weaver_jax.load(args.model, dtype=args.dtype)
     serve(bundle, host=args.host, port=args.port, model_name=args.model, method=args.method,
           max_batch=args.max_batch, max_queue=args.max_queue, context=args.context,
-          api_key=args.api_key or os.environ.get("WEAVER_JAX_API_KEY"), **_method_options(args))
+          api_key=args.api_key or os.environ.get("WEAVER_JAX_API_KEY"), warmup=tuple(args.warmup),
+          **_method_options(args))
     return 0
 
 
@@ -358,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, help="tokens per slot (default: the model's, at most 8192)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or set WEAVER_JAX_API_KEY)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--warmup", type=float, nargs="*", default=[0.0, 1.0], metavar="TEMPERATURE",
+                   help="compile the default method's programs for these temperatures before serving (every batch "
+                        "size; default 0 and 1, OpenAI's default; none: compile on first use)")
 
     p = sub.add_parser("train-prompts", help="CPU: the training prompt mix and the evaluation prompt sets")
     p.add_argument("out", help="directory for prompts.json and eval_prompts.json")
