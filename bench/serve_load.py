@@ -6,8 +6,9 @@ Starts the server in this process (uvicorn, 127.0.0.1, a free port) for the name
 SmolLM2 pair), then for each method (`--methods`, "ar" = speculation off) and concurrency C sends `--requests`
 chat requests from C client threads (the official `openai` client), T = 0, EOS off so every answer has
 `--max-tokens` tokens: aggregate completion tokens/s and p50 / p99 request latency. The server compiles its
-programs for T = 0 first (`warmup`), and one untimed round of C requests precedes the timed ones. As the baseline, one `generate` call on the same prompts (the
-first `--max-batch` of them as one batch) gives tokens/s for `speculative_batch_vs_generate`. It stops by itself.
+programs for T = 0 first (`warmup`), and one untimed round of C requests precedes the timed ones. As the
+baseline, one `generate` call on the same prompts (the first `--max-batch` of them as one batch) gives tokens/s
+for `vs_generate_batch`. It stops by itself.
 """
 
 from __future__ import annotations
