@@ -18,6 +18,7 @@ import weaver_jax  # noqa: E402
 from weaver_jax import _generate, cli  # noqa: E402
 from weaver_jax._model import module_params  # noqa: E402
 from weaver_jax._sharding import check_rules  # noqa: E402
+from weaver_jax._stream import Slots  # noqa: E402
 from weaver_jax.testing import random_bundle  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # float32 products in full, as the suite's
@@ -55,6 +56,25 @@ def greedy_equals_unsharded():
         sharded = weaver_jax.shard(BUNDLE, mesh(*shape), replicate=replicate)
         for m in methods:
             check(tokens(sharded, m) == reference[m], f"{m} greedy {shape}")
+
+
+def streaming_and_serving_slots_run_sharded():
+    """`stream` and the server's slots on a (2, 2) mesh: a stream's tokens are `generate`'s (unsharded), and
+    sequences joining slots (a batch of one padded over `data`, rows 1 and 0 of two) emit theirs."""
+    sharded = weaver_jax.shard(BUNDLE, mesh(2, 2), replicate=("adapter",))
+    want = weaver_jax.generate(BUNDLE, PROMPTS[:1], method="dflash", max_new_tokens=10).tokens[0]
+    stream = weaver_jax.stream(sharded, PROMPTS[0], method="dflash", max_new_tokens=10)
+    check([t for chunk in stream for t in chunk.tokens] == want, "dflash stream (2, 2)")
+    slots = Slots(sharded, 2, method="ar", max_new_tokens=10, context=128, rounds_per_call=1)
+    got = {"a": [], "b": []}
+    slots.insert([1], ["a"], [PROMPTS[0]], [0], pad_to=32)
+    for step in range(14):
+        if step == 2:  # while "a" runs
+            slots.insert([0], ["b"], [PROMPTS[1]], [0], pad_to=32)
+        for name, new in slots.step():
+            got[name] += new
+    want = [weaver_jax.generate(BUNDLE, [p], max_new_tokens=10).tokens[0] for p in PROMPTS[:2]]
+    check([got["a"], got["b"]] == want, "ar slots (2, 2)")
 
 
 def kernels_run_per_shard():
@@ -200,7 +220,8 @@ def layout_and_errors():
 if __name__ == "__main__":
     check(jax.device_count() == 8, "8 fake devices")
     for case in (layout_and_errors, greedy_equals_unsharded, kernels_run_per_shard, sampled_is_seed_identical,
-                 no_weight_is_gathered, exact_is_bitwise_ar, training_resumes_on_another_mesh):
+                 no_weight_is_gathered, exact_is_bitwise_ar, streaming_and_serving_slots_run_sharded,
+                 training_resumes_on_another_mesh):
         start = time.perf_counter()
         case()
         print(f"{case.__name__}: {time.perf_counter() - start:.1f} s", flush=True)

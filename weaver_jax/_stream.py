@@ -2,12 +2,12 @@
 
 `Run` drives a batch through `ar_start` / `ar_advance` (or `spec_start` / `spec_advance`): each call runs a few
 rounds on the device (`Pace`: about CALL_SECONDS of them) and returns the tokens they emitted, with no host
-callback per round. The next call is dispatched before the last one's tokens are read, which overlaps them where
-a call returns at once (on an H200 a call returns only when its loop ends: the loop's trip count lives on the
-device). What a sequence emits is what `generate` emits for it: the same functions, keys and order. `Slots` is
-the same loop with rows that sequences join (`insert_rows`) and leave between calls: the server's continuous
-batching. `Text` turns a sequence's tokens into text increments safe to show (no half of a
-UTF-8 character, no text that may still become a stop string) and finds where a stop string ends it.
+callback per round. A call is read before the next goes out: on an H200 a call returns only when its loop ends
+(measured), so sending the next one first would overlap nothing and cost a call past the end. What a sequence
+emits is what `generate` emits for it: the same functions, keys and order. `Slots` is the same loop with rows
+that sequences join (`insert_rows`) and leave between calls: the server's continuous batching. `Text` turns a
+sequence's tokens into text increments safe to show (no half of a UTF-8 character, no text that may still become
+a stop string) and finds where a stop string ends it.
 """
 
 from __future__ import annotations
@@ -64,14 +64,17 @@ class Uploaded:
 
 class Programs:
     """A loop's jitted functions compiled ahead (`generate`'s cache), then kept per argument shapes: a call skips
-    hashing the static arguments, whose graph definitions cost ~1 ms each to hash - most of what a streaming
-    call cost besides its rounds (4-6 ms on an H200)."""
+    hashing the static arguments, whose graph definitions cost ~1 ms each to hash. On a mesh (`sharded`) the
+    arguments' shardings are part of the key: a state that comes back sharded otherwise than it went in (XLA
+    chose) needs its own program."""
 
-    def __init__(self, static: dict):
-        self.static, self.compiled = static, {}
+    def __init__(self, static: dict, sharded: bool = False):
+        self.static, self.sharded, self.compiled = static, sharded, {}
 
     def __call__(self, fn, *args):
         key = (fn, *(getattr(a, "shape", None) for a in args))
+        if self.sharded:
+            key += tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(args))
         if key not in self.compiled:
             self.compiled[key] = _generate._compiled(fn, self.static, *args)
         return self.compiled[key](*args)
@@ -142,7 +145,7 @@ class Text:
 
 class Run:
     """A batch through the chunked loop: iterate for each call's new tokens per sequence; `halt(i)` ends
-    sequence i from a later call on (its extra tokens are the caller's to drop); `stats` once done."""
+    sequence i from the next call on; `stats` once done."""
 
     def __init__(self, bundle, prompts, *, method: str, max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, eos_token_id=None, pad_to=None, exact=False, rounds_per_call: int | None = None,
@@ -153,7 +156,7 @@ class Run:
         self.pace = Pace(rounds_per_call)
         self.bundle, self.method, self.static, self.real = bundle, method, static, len(prompts)
         self.max_new_tokens, self.eos_ids = max_new_tokens, static["eos_ids"]
-        start, advance, keys = loop(method, Programs(static), args)
+        start, advance, keys = loop(method, Programs(static, bundle.mesh is not None), args)
         batch = keys.shape[0]  # a mesh may have padded the batch
         self.halted = np.zeros((batch,), bool)
         self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
@@ -168,7 +171,7 @@ class Run:
         self.seconds = 0.0
 
     def generated(self, i: int) -> list[int]:
-        """Sequence i's tokens as the newest state holds them (the device may be a call ahead of the chunks read)."""
+        """Sequence i's tokens as the state holds them (past a stop string the reader cut its chunks at)."""
         return np.asarray(self.state.tokens)[i, : int(np.asarray(self.state.num_tokens)[i])].tolist()
 
     def halt(self, i: int) -> None:
@@ -187,20 +190,13 @@ class Run:
             for i, new in enumerate(first):
                 self._update(i, new)
             yield first[: self.real]
-            pending = None if self._finished() else self._dispatch(self.state)
-            while pending is not None:
-                state, window = pending
-                # the next call goes out before this one's tokens are read (halts reach the call after it);
-                # `self.state` is always the newest state, the one no call has been given (donated) yet
-                pending = None if self._finished() else self._dispatch(state)
-                window = np.asarray(window)
+            while not self._finished():
+                window = np.asarray(self._dispatch(self.state)[1])
                 self.pace.tick()
                 new = [[int(t) for t in row if t >= 0] if not self.done[i] else [] for i, row in enumerate(window)]
                 for i, tokens in enumerate(new):
                     self._update(i, tokens)
                 yield new[: self.real]
-                if self._finished():
-                    pending = None
         finally:  # also when the caller stops reading early (a stop string, a closed stream)
             self.seconds = time.perf_counter() - t0
 
@@ -242,7 +238,7 @@ class Slots:
         budget = dict(self.static.get("options", ())).get("budget")
         if budget is not None:  # an insert prepares a batch of one: the default budget would be one's, not ours
             self.settings["method_options"] = method_options | {"budget": budget}
-        self._start, self._advance, self.keys = loop(method, Programs(self.static), args)
+        self._start, self._advance, self.keys = loop(method, Programs(self.static, bundle.mesh is not None), args)
         self.pace = Pace(rounds_per_call)
         with _generate._mesh_scope(bundle):
             state = self._start(args)
