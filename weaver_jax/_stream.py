@@ -225,9 +225,9 @@ def insert_rows(state, new, rows):
 
 class Slots:
     """Continuous batching over the static-shape loop: `size` rows of one set of settings, each free or held by
-    a sequence; `insert` prefills a prompt into a free row between calls (its own seed, its own start: its
-    tokens are those `generate` gives it alone), `step` runs a call and returns what the previous one emitted,
-    per row, with the occupant each row had when that call went out (the next call is already on its way)."""
+    a sequence; `insert` prefills prompts into free rows between calls (each its own seed, its own start: its
+    tokens are those `generate` gives it alone), `step` runs a call and returns what it emitted per occupied row
+    (read before the next call goes out, so a row whose sequence ended is free for the next one at once)."""
 
     def __init__(self, bundle, size: int, *, method: str, max_new_tokens: int, context: int, temperature=0.0,
                  top_k=0, top_p=1.0, exact=False, rounds_per_call: int | None = None, **method_options):
@@ -246,7 +246,6 @@ class Slots:
         self.occupant: list = [None] * size
         self.halted = np.ones((size,), bool)
         self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
-        self._pending = None  # (the call's output, the occupants it ran for)
         self._first: dict = {}  # row -> (an insert's first tokens `[K, T]`, the row's index in them) to report
 
     def _prepare(self, prompts, seeds, pad_to=None):
@@ -284,22 +283,17 @@ class Slots:
         self.occupant[row], self.halted[row] = None, True
 
     def step(self) -> list[tuple[object, list[int]]]:
-        """Send the next call; -> what the previous call emitted: (occupant, new tokens) per row it ran for (a row
-        inserted since opens with its prefill's first token)."""
+        """Run a call; -> what it emitted: (occupant, new tokens) per row it ran for (a row inserted since the last
+        call opens with its prefill's first token)."""
         firsts, self._first = self._first, {}
-        out = None
-        if self._pending is not None:
-            (_, window), occupants = self._pending
-            window = np.asarray(window)
-            self.pace.tick()
-            out = [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
-        with _generate._mesh_scope(self.bundle):
-            call = self._advance(self.state, self.keys, self._halt(self.halted),
-                                 self._rounds(np.int32(self.pace.rounds)))
-        self.state = call[0]
-        self._pending = (call, list(self.occupant))
         opened = [(self.occupant[row], [int(np.asarray(tokens)[j, 0])]) for row, (tokens, j) in firsts.items()]
-        return opened + (out or [])
+        occupants = list(self.occupant)
+        with _generate._mesh_scope(self.bundle):
+            self.state, window = self._advance(self.state, self.keys, self._halt(self.halted),
+                                               self._rounds(np.int32(self.pace.rounds)))
+        window = np.asarray(window)
+        self.pace.tick()
+        return opened + [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
 
 
 def check_stop(stop, tokenizer) -> tuple[str, ...]:
