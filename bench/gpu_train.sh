@@ -40,6 +40,8 @@
 #                                                 # carry .stage/prompts; E2E_ARGS: more e2e.py options,
 #                                                 # E2E_LABEL: a suffix for its JSON)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
+#   bash bench/gpu_train.sh stream                                     # bench/stream.py: streaming's cost
+#   bash bench/gpu_train.sh serve "weaver ar"                          # bench/serve_load.py (carry .whl: the stage says which)
 #   bash bench/gpu_train.sh agreement "dflash weaver"                  # bench/agreement.py: same tokens as ar,
 #                                                 # default mode and exact=1, differences explained (AGREE_PER_SET)
 #
@@ -72,6 +74,11 @@ model_dir() {  # model_dir drafter|adapter: this session's export once a stage (
 }
 minutes_left() {  # what remains of a 10-minute call, less a margin for export and packing
   python3 -c "print(max(0.5, min($1, (555 - $SECONDS) / 60 - 0.6)))"
+}
+
+named_gguf() {  # the staged GGUF where `load("smollm2-135m-instruct")` looks (the benches that take a name)
+  export WEAVER_JAX_CACHE=$STAGE/cache
+  mkdir -p "$STAGE/cache/models" && ln -sf "$GGUF" "$STAGE/cache/models/"
 }
 
 gguf_ok() { [ -f "$GGUF" ] && [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" = "$(grep "$(basename "$GGUF")" "$SUMS" | cut -d' ' -f1)" ]; }
@@ -289,6 +296,18 @@ while [ $# -gt 0 ]; do
         --adapter "$(model_dir adapter)" --eval-prompts "$(prompts)/eval_prompts.json" \
         --per-set ${AGREE_PER_SET:-8} --config $2 \
         --json "$OUT/agreement.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
+      shift 2 ;;
+    stream)  # bench/stream.py: what streaming costs against generate, the real pair (ar, weaver; 256 tokens)
+      need_gguf; named_gguf
+      timeout $((570 - SECONDS)) python3 bench/stream.py --methods ar weaver --rounds 0 1 4 16 --max-new-tokens 256 \
+        --json "$OUT/stream.json" 2>&1 | grep -v "^\[\|^W1\|^I1\|Warning"
+      shift ;;
+    serve)  # serve METHODS: bench/serve_load.py, concurrency 1 / 4 / 16 / 64, 64 requests of 256 tokens; carry
+      # .whl with starlette, uvicorn, openai and its needs (pydantic, pydantic_core, annotated-types,
+      # typing-inspection, jiter, sniffio, httpx2, httpcore2, truststore): the GPU image lacks them
+      need_gguf; named_gguf
+      timeout $((570 - SECONDS)) python3 bench/serve_load.py --methods $2 --concurrency 1 4 16 64 --requests 64 \
+        --max-tokens 256 --max-batch 16 --json "$OUT/serve_$(echo "$2" | tr ' ' '-').json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 2 ;;
     profile)  # profile BATCH CONFIGS
       need_gguf
