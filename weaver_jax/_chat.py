@@ -110,6 +110,9 @@ class _Turn:
         finally:
             self._conversation._end_turn(self._run, self._new, self._stream)
 
+    def __getattr__(self, name: str):  # the stream's `tokens`, `text`, `finish_reason`, `stats`
+        return getattr(self._stream, name)
+
 
 def repl(conversation: Conversation, read: Callable[[str], str] = input, write=sys.stdout.write) -> None:
     """The terminal loop: a line is a message (or a command); Ctrl-C ends the current answer, Ctrl-D quits."""
