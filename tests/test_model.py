@@ -2,6 +2,7 @@
 prefill + decode steps = one forward, tree verification = sequential decoding along each path,
 ragged batches = single sequences."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from flax import nnx
 
 import weaver_jax
 from weaver_jax import KVCache
+from weaver_jax._model import fresh_cache
 
 from . import reference
 from .conftest import make_pair
@@ -160,3 +162,14 @@ def test_cache_write_places_rows_at_each_length_and_drops_past_the_end():
             if lengths[row] + i < s:
                 expected[row, lengths[row] + i] = new[row, i]
     np.testing.assert_array_equal(_write(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(lengths)), expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_fresh_cache_is_init_cache_from_one_program(family):
+    """`fresh_cache` (host code's: one compiled program) equals `init_cache` (traced code's), target and drafter."""
+    bundle = weaver_jax.testing.random_bundle(0, family=family)
+    for model, size in ((bundle.target, 96), (bundle.drafter, 40)):
+        fresh, plain = fresh_cache(model, 3, size), model.init_cache(3, size)
+        assert jax.tree.structure(fresh) == jax.tree.structure(plain)
+        for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(plain), strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype and not np.any(np.asarray(a))

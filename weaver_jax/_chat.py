@@ -20,6 +20,7 @@ from flax import nnx
 
 from weaver_jax._generate import _speculative_setup, target_parameters
 from weaver_jax._hybrid import HybridCache
+from weaver_jax._model import fresh_cache
 from weaver_jax._stream import Run, Text, TokenStream
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed", "exact", "eos_token_id")
@@ -46,8 +47,8 @@ class Conversation:
         self.messages: list[dict] = []
         self.cached: list[int] = []  # the tokens whose K/V the caches hold
         target, drafter = self.bundle.target, self.bundle.drafter
-        self.caches = (target.init_cache(1, self.context),) + (
-            () if self.method == "ar" else (drafter.init_cache(1, self.context),))
+        self.caches = (fresh_cache(target, 1, self.context),) + (
+            () if self.method == "ar" else (fresh_cache(drafter, 1, self.context),))
 
     def _rewind(self, tokens: list[int]) -> list[int]:
         """-> the tokens to prefill: past the longest prefix of `tokens` the caches hold (cut back to it)."""

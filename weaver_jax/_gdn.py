@@ -200,11 +200,10 @@ class GatedDeltaNet(nnx.Module):
         self.norm = nnx.Param(jnp.ones((head_v_dim,), dtype))
         self.out = _param(rngs, (value, hidden), dtype, value)
 
-    def state_specs(self, batch: int) -> tuple[tuple[tuple[int, ...], object], ...]:
-        """(shape, dtype) of a fresh `GDNState`'s recurrent state and convolution window."""
+    def init_state(self, batch: int) -> GDNState:
         h_k, h_v, d_k, d_v = self.heads
-        return ((batch, h_v, d_k, d_v), jnp.float32), ((batch, self.conv.shape[0], self.conv.shape[1] - 1),
-                                                       self.conv.dtype)
+        return GDNState(jnp.zeros((batch, h_v, d_k, d_v), jnp.float32),
+                        jnp.zeros((batch, self.conv.shape[0], self.conv.shape[1] - 1), self.conv.dtype))
 
     def fused(self) -> dict[str, tuple[tuple[int, ...], int]]:
         """The fused parameters: their q | k | v segments and the axis they are concatenated on."""

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from weaver_jax._model import KVCache
+from weaver_jax._model import KVCache, fresh_cache
 from weaver_jax._sampling import Sampling, select
 from weaver_jax.pallas_kernels import enabled_kernels, kernel_scope
 
@@ -331,7 +331,7 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
         (bundle.drafter, padded_len + max_new_tokens + bundle.drafter.config.block_size)]
     sizes = [_round_up(n, 128) for _, n in needed]
     if caches is None:
-        caches = [placed(m.init_cache(len(prompts), size)) for (m, _), size in zip(needed, sizes, strict=True)]
+        caches = [placed(fresh_cache(m, len(prompts), size)) for (m, _), size in zip(needed, sizes, strict=True)]
     else:  # a conversation's: prefilled after what they already hold
         for cache, size in zip(caches, sizes, strict=True):
             used = int(np.max(cache.lengths))

@@ -35,7 +35,6 @@ from weaver_jax._model import (
     causal_attend,
     gqa_attention,
     visibility_mask,
-    zeros,
 )
 
 
@@ -165,12 +164,10 @@ class HybridTransformer(nnx.Module):
     def init_cache(self, batch: int, size: int) -> HybridCache:
         c = self.config
         attention = c.layer_types.count("full_attention")
-        kv = ((batch, size, c.num_kv_heads, c.head_dim), c.jnp_dtype)
-        states = [layer.mixer.state_specs(batch) for layer in self.layers if layer.kind == "linear_attention"]
-        *arrays, lengths = zeros((kv,) * (2 * attention) + tuple(x for spec in states for x in spec)
-                                 + (((batch,), jnp.int32),))
-        gdn = [GDNState(*arrays[2 * attention + 2 * i: 2 * attention + 2 * i + 2]) for i in range(len(states))]
-        return HybridCache(tuple(arrays[:attention]), tuple(arrays[attention: 2 * attention]), lengths, tuple(gdn))
+        zeros = lambda: jnp.zeros((batch, size, c.num_kv_heads, c.head_dim), c.jnp_dtype)  # noqa: E731
+        return HybridCache(tuple(zeros() for _ in range(attention)), tuple(zeros() for _ in range(attention)),
+                           jnp.zeros((batch,), jnp.int32), tuple(layer.mixer.init_state(batch) for layer in self.layers
+                                                                 if layer.kind == "linear_attention"))
 
     def final_state(self, h, exact: bool = False):
         """The final norm of last-layer outputs `[..., D]` (what the LM head reads)."""

@@ -29,10 +29,18 @@ from weaver_jax.pallas_kernels import interpret, kernels_enabled
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 
-def zeros(specs: tuple[tuple[tuple[int, ...], object], ...]) -> tuple[jax.Array, ...]:
-    """Arrays of zeros, one per (shape, dtype), made by one compiled program: a cache made op by op is a
-    dispatch per layer and tensor (~10 ms for a 30-layer target, paid by every `generate` and stream)."""
-    return _zeros_program(tuple((tuple(shape), jnp.dtype(dtype)) for shape, dtype in specs))()
+def fresh_cache(model, batch: int, size: int):
+    """`model.init_cache(batch, size)` (any model with a frozen `config`) made by one compiled program, for host
+    code: made op by op a cache is a dispatch per layer and tensor (~10 ms for a 30-layer target, paid by every
+    `generate` and stream). Traced code calls `init_cache` itself."""
+    key = (type(model), model.config, batch, size)
+    if key not in _CACHE_SHAPES:
+        _CACHE_SHAPES[key] = jax.eval_shape(lambda: model.init_cache(batch, size))
+    leaves, treedef = jax.tree.flatten(_CACHE_SHAPES[key])
+    return treedef.unflatten(_zeros_program(tuple((x.shape, x.dtype) for x in leaves))())
+
+
+_CACHE_SHAPES: dict = {}  # init_cache's abstract result per (model class, config, batch, size): no weights
 
 
 @functools.cache
@@ -51,9 +59,11 @@ class KVCache:
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, size: int, dtype=None) -> KVCache:
-        kv = ((batch, size, config.num_kv_heads, config.head_dim), dtype or config.jnp_dtype)
-        *arrays, lengths = zeros((kv,) * (2 * config.num_layers) + (((batch,), jnp.int32),))
-        return cls(k=tuple(arrays[: config.num_layers]), v=tuple(arrays[config.num_layers:]), lengths=lengths)
+        dtype = dtype or config.jnp_dtype
+        shape = (batch, size, config.num_kv_heads, config.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def size(self) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 
 from weaver_jax import _generate
 from weaver_jax._generate import finish_reason, sequence_keys
+from weaver_jax._model import fresh_cache
 
 # A call has a fixed cost besides its rounds (measured 1.5-2.5 ms on an H200 at SmolLM2's shape, BENCHMARKS), so
 # unless told otherwise a stream sizes its calls to take about CALL_SECONDS each (text in ~10 updates a second),
@@ -251,8 +252,8 @@ class Slots:
     def _prepare(self, prompts, seeds, pad_to=None):
         """-> (static, args) for these prompts, with fresh caches of the slots' `context` positions."""
         s = self.settings
-        caches = [self.bundle.target.init_cache(len(prompts), self.context)] + (
-            [] if s["method"] == "ar" else [self.bundle.drafter.init_cache(len(prompts), self.context)])
+        caches = [fresh_cache(self.bundle.target, len(prompts), self.context)] + (
+            [] if s["method"] == "ar" else [fresh_cache(self.bundle.drafter, len(prompts), self.context)])
         _, static, args = _generate._prepare(self.bundle, prompts, s["method"], s["max_new_tokens"],
                                              s["temperature"], s["top_k"], s["top_p"], seeds, None,
                                              s["method_options"], pad_to=pad_to, exact=s["exact"], caches=caches)
