@@ -5,8 +5,8 @@ per-call time at 1 and 16 rounds a call against a decode step inside `generate`,
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN python bench/call_cost.py
 
 A random target of SmolLM2's shape with the shipped drafter and adapter (no GGUF needed), 96-token prompt, EOS off,
-`ar` and Weaver's defaults; the halted rows and the rounds are the same device arrays every call (as `Run` passes
-them); each figure the mean over the calls of one sequence after an untimed one. fixed_ms = per-call time at 1
+`ar` and Weaver's defaults, through `_stream.Loop` as `Run` calls it (the halted rows and the rounds uploaded
+once); each figure the mean over the calls of one sequence after an untimed one. fixed_ms = per-call time at 1
 round less one round's time inside `generate`. Run it under XLA_FLAGS variants to find where the fixed cost goes
 (measured 2026-12-03 on an H200: ~1-2 ms a call, gone with command buffers off but every step 3.4x slower).
 """
@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,20 +46,18 @@ def main():
         wj.generate(bundle, [prompt], **options)
         out = wj.generate(bundle, [prompt], **options)
         round_ms = out.stats["seconds"] / out.stats["rounds"] * 1e3
-        halt = jnp.zeros((1,), bool)
         row = dict(method=method, round_ms_in_generate=round_ms, xla_flags=os.environ.get("XLA_FLAGS", ""),
                    device=jax.devices()[0].device_kind)
         for rounds in (1, 16):
-            n = jnp.int32(rounds)
             for _ in range(2):  # the first compiles
                 _, static, loop_args = _generate._prepare(bundle, [prompt], method, new, 0.0, 0, 1.0, 0, [], {})
-                start, advance, keys = _stream.loop(method, _stream.Programs(static), loop_args)
-                state, calls, emitted = start(loop_args), 0, 1  # the prefill's token
+                loop = _stream.Loop(bundle, method, static, loop_args, rounds_per_call=rounds)
+                state, calls, emitted = loop.start(loop_args), 0, 1  # the prefill's token
                 np.asarray(state.tokens)
                 t0 = time.perf_counter()
                 while emitted < new:
-                    state, window = advance(state, keys, halt, n)
-                    emitted += int(np.sum(np.asarray(window) >= 0))
+                    state, window = loop.advance(state, loop.keys, np.zeros((1,), bool))
+                    emitted += int(np.sum(window >= 0))
                     calls += 1
                 seconds = time.perf_counter() - t0
             row[f"call_ms_at_{rounds}_rounds"] = seconds / calls * 1e3

@@ -53,6 +53,10 @@ class Job:
     events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     cancelled: bool = False
 
+    @staticmethod
+    def settings_of(method: str, options: dict, temperature: float, top_p: float = 1.0, exact: bool = False):
+        return method, tuple(sorted(options.items())), float(temperature), float(top_p), bool(exact)
+
     def send(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
@@ -134,7 +138,7 @@ class Engine:
             slots = self._slots(jobs[0], jobs)
             slots.insert(list(range(size)), jobs, [j.prompt for j in jobs], [0] * size, 64)
             slots.step()
-            slots.step()
+            slots.step()  # on a mesh XLA may return the state sharded otherwise: its program, compiled here too
             if size >= self.max_batch:
                 return
             size = min(2 * size, self.max_batch)
@@ -219,7 +223,7 @@ class Server:
         self.api_key = api_key
         self.engine = Engine(bundle, max_batch=max_batch, max_queue=max_queue, context=context, start=False)
         for temperature in warmup:
-            self.engine.warm_up((method, tuple(sorted(method_options.items())), float(temperature), 1.0, False))
+            self.engine.warm_up(Job.settings_of(method, method_options, temperature))
         if start:
             self.engine.start()
         self.app = Starlette(routes=[
@@ -290,8 +294,7 @@ class Server:
                                f"server's context of {self.engine.context} tokens", "max_tokens", status=413)
         if method != "ar":  # the method's options are checked now, not in the generation thread
             _speculative_setup(self.bundle, method, options, temperature > 0, 1, self.engine.parameters)
-        settings = (method, tuple(sorted(options.items())), float(temperature), float(top_p),
-                    bool(body.get("exact", False)))
+        settings = Job.settings_of(method, options, temperature, top_p, body.get("exact", False))
         return Job(prompt, max_tokens, settings, seed, stop, asyncio.get_running_loop())
 
     async def _complete(self, request, chat: bool):

@@ -81,16 +81,36 @@ class Programs:
         return self.compiled[key](*args)
 
 
-def loop(method: str, programs: Programs, args: list):
-    """The chunked loop over `_generate._prepare`'s `args`: -> (start(args) -> state, advance(state, keys, halt,
-    rounds) -> (state, window), the keys)."""
-    from weaver_jax._speculative import spec_advance, spec_start
+class Loop:
+    """The chunked loop over `_generate._prepare`'s `args`, shared by `Run` and `Slots`: `start(args)` -> the
+    prefilled state; `advance(state, keys, halted)` -> (state, the call's window read to the host), its rounds
+    from `Pace`, the halted rows and the rounds uploaded only when they change; `keys` the sequences' keys."""
 
-    if method == "ar":
-        return (lambda a: programs(_generate.ar_start, *a),
-                lambda s, keys, halt, n: programs(_generate.ar_advance, args[0], s, keys, halt, n), args[4])
-    return (lambda a: programs(spec_start, *a),
-            lambda s, keys, halt, n: programs(spec_advance, *args[:2], s, keys, halt, n, *args[7:]), args[6])
+    def __init__(self, bundle, method: str, static: dict, args: list, rounds_per_call: int | None):
+        from weaver_jax._speculative import spec_advance, spec_start
+
+        programs = Programs(static, bundle.mesh is not None)
+        if method == "ar":
+            self._start = lambda a: programs(_generate.ar_start, *a)
+            self._advance = lambda s, keys, halt, n: programs(_generate.ar_advance, args[0], s, keys, halt, n)
+            self.keys = args[4]
+        else:
+            self._start = lambda a: programs(spec_start, *a)
+            self._advance = lambda s, keys, halt, n: programs(spec_advance, *args[:2], s, keys, halt, n, *args[7:])
+            self.keys = args[6]
+        self.bundle, self.pace = bundle, Pace(rounds_per_call)
+        self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
+
+    def start(self, args: list):
+        with _generate._mesh_scope(self.bundle):
+            return self._start(args)
+
+    def advance(self, state, keys, halted: np.ndarray):
+        with _generate._mesh_scope(self.bundle):
+            state, window = self._advance(state, keys, self._halt(halted), self._rounds(np.int32(self.pace.rounds)))
+        window = np.asarray(window)
+        self.pace.tick()
+        return state, window
 
 
 class StreamChunk(NamedTuple):
@@ -154,19 +174,15 @@ class Run:
         _, static, args = _generate._prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
                                              seed, eos_token_id, method_options, pad_to=pad_to, exact=exact,
                                              caches=caches)
-        self.pace = Pace(rounds_per_call)
         self.bundle, self.method, self.static, self.real = bundle, method, static, len(prompts)
         self.max_new_tokens, self.eos_ids = max_new_tokens, static["eos_ids"]
-        start, advance, keys = loop(method, Programs(static, bundle.mesh is not None), args)
-        batch = keys.shape[0]  # a mesh may have padded the batch
+        self.loop = Loop(bundle, method, static, args, rounds_per_call)
+        batch = self.loop.keys.shape[0]  # a mesh may have padded the batch
         self.halted = np.zeros((batch,), bool)
-        self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
         self.done = np.zeros((batch,), bool)
         self.counts = np.zeros((batch,), np.int64)
         t0 = time.perf_counter()
-        with _generate._mesh_scope(bundle):
-            self.state = start(args)
-        self._advance = lambda s, halt, n: advance(s, keys, halt, n)
+        self.state = self.loop.start(args)
         self.first = [int(t) for t in np.asarray(self.state.tokens)[:, 0]]
         self.start_seconds = time.perf_counter() - t0
         self.seconds = 0.0
@@ -192,8 +208,7 @@ class Run:
                 self._update(i, new)
             yield first[: self.real]
             while not self._finished():
-                window = np.asarray(self._dispatch(self.state)[1])
-                self.pace.tick()
+                self.state, window = self.loop.advance(self.state, self.loop.keys, self.halted)
                 new = [[int(t) for t in row if t >= 0] if not self.done[i] else [] for i, row in enumerate(window)]
                 for i, tokens in enumerate(new):
                     self._update(i, tokens)
@@ -203,12 +218,6 @@ class Run:
 
     def _finished(self) -> bool:
         return bool(np.all((self.done | self.halted)[: self.real]))
-
-    def _dispatch(self, state):
-        with _generate._mesh_scope(self.bundle):
-            out = self._advance(state, self._halt(self.halted), self._rounds(np.int32(self.pace.rounds)))
-        self.state = out[0]
-        return out
 
     def stats(self, tokens: list[list[int]], finish_reasons: list[str]) -> dict:
         """`generate`'s stats for this run's tokens (rounds as run on the device)."""
@@ -239,14 +248,12 @@ class Slots:
         budget = dict(self.static.get("options", ())).get("budget")
         if budget is not None:  # an insert prepares a batch of one: the default budget would be one's, not ours
             self.settings["method_options"] = method_options | {"budget": budget}
-        self._start, self._advance, self.keys = loop(method, Programs(self.static, bundle.mesh is not None), args)
-        self.pace = Pace(rounds_per_call)
-        with _generate._mesh_scope(bundle):
-            state = self._start(args)
+        self.loop = Loop(bundle, method, self.static, args, rounds_per_call)
+        self.keys = self.loop.keys
+        state = self.loop.start(args)
         self.state = state._replace(done=jnp.ones_like(state.done))  # every row free
         self.occupant: list = [None] * size
         self.halted = np.ones((size,), bool)
-        self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
         self._first: dict = {}  # row -> (an insert's first tokens `[K, T]`, the row's index in them) to report
 
     def _prepare(self, prompts, seeds, pad_to=None):
@@ -270,10 +277,9 @@ class Slots:
         are dropped."""
         k, batch = len(rows), self.size
         _, args = self._prepare(prompts + prompts[:1] * (batch - k), seeds + seeds[:1] * (batch - k), pad_to=pad_to)
-        with _generate._mesh_scope(self.bundle):
-            new = self._start(args)
-            extra = new.tokens.shape[0] - k  # the padding, and a mesh's fill-up to its `data` axis
-            self.state = insert_rows(self.state, new, jnp.asarray(rows + [self.size] * extra))
+        new = self.loop.start(args)
+        extra = new.tokens.shape[0] - k  # the padding, and a mesh's fill-up to its `data` axis
+        self.state = insert_rows(self.state, new, jnp.asarray(rows + [self.size] * extra))
         self.keys = self.keys.at[jnp.asarray(rows)].set(sequence_keys(seeds, k))
         for j, (row, occupant) in enumerate(zip(rows, occupants, strict=True)):
             self.occupant[row], self.halted[row] = occupant, False
@@ -289,11 +295,7 @@ class Slots:
         firsts, self._first = self._first, {}
         opened = [(self.occupant[row], [int(np.asarray(tokens)[j, 0])]) for row, (tokens, j) in firsts.items()]
         occupants = list(self.occupant)
-        with _generate._mesh_scope(self.bundle):
-            self.state, window = self._advance(self.state, self.keys, self._halt(self.halted),
-                                               self._rounds(np.int32(self.pace.rounds)))
-        window = np.asarray(window)
-        self.pace.tick()
+        self.state, window = self.loop.advance(self.state, self.keys, self.halted)
         return opened + [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
 
 
