@@ -84,6 +84,33 @@ def test_slots_prefill_joining_sequences_together_and_each_emits_what_it_would_a
         assert got[name] == wj.generate(b, [prompt], seed=[seed], **options).tokens[0], name
 
 
+def test_a_slots_call_that_leaves_ends_when_a_sequence_ends():
+    """`step(leave=True)` (requests wait for a row) ends the call at the round where a sequence ends: the row
+    that joined a call later has one new token, not the call's three; the calls after it continue what
+    `generate` gives each."""
+    b, options = bundle(), dict(method="ar", max_new_tokens=8, temperature=1.0)
+    slots = Slots(b, 4, context=128, rounds_per_call=3, **options)
+    got = {"a": [], "b": []}
+
+    def step(leave=False):
+        new = {name: [] for name in got}
+        for occupant, tokens in slots.step(leave):
+            new[occupant] += tokens
+        for name, tokens in new.items():
+            got[name] += tokens
+        return {name: len(tokens) for name, tokens in new.items()}
+
+    slots.insert([0], ["a"], [PROMPT], [11], pad_to=32)
+    assert step() == {"a": 4, "b": 0}  # the prefill's token and three
+    slots.insert([2], ["b"], [PROMPT[:2]], [12], pad_to=32)
+    assert step() == {"a": 3, "b": 4}
+    assert step(leave=True) == {"a": 1, "b": 1}  # "a" has its 8
+    while step()["b"]:
+        pass
+    for name, prompt, seed in (("a", PROMPT, 11), ("b", PROMPT[:2], 12)):
+        assert got[name] == wj.generate(b, [prompt], seed=[seed], **options).tokens[0], name
+
+
 def test_stream_errors_name_the_problem():
     b = bundle()
     with pytest.raises(ValueError, match="stop strings need the bundle's tokenizer"):

@@ -130,25 +130,37 @@ def ar_start(params, cache, prompts, prompt_lengths, keys, *, graphdef, max_new_
 MAX_ROUNDS_PER_CALL = 64  # the most rounds (decode steps for "ar") a streaming call runs: its window's width
 
 
-@functools.partial(jax.jit, static_argnames=_AR_STATIC, donate_argnames=("state",))
-def ar_advance(params, state: ARState, keys, halt, steps, *, graphdef, max_new_tokens, sampling=_GREEDY,
-               eos_ids=(), kernels=(), exact=False) -> tuple[ARState, jax.Array]:
+def weight_leaves(*states) -> tuple[list[jax.Array], jax.treedef]:
+    """A model's weights (nnx states) as the flat list of arrays a streaming call takes, and their treedef (static):
+    calling a compiled program checks an nnx state's tree each time, ~1.3 ms a call at SmolLM2's 30 layers against
+    ~0.1 ms for a list of its arrays (measured on a CPU; an H200's call cost 1.5 ms besides its rounds)."""
+    return jax.tree.flatten(states)
+
+
+@functools.partial(jax.jit, static_argnames=(*_AR_STATIC, "weights_tree"), donate_argnames=("state",))
+def ar_advance(weights, state: ARState, keys, halt, steps, leave, *, weights_tree, graphdef, max_new_tokens,
+               sampling=_GREEDY, eos_ids=(), kernels=(), exact=False) -> tuple[ARState, jax.Array]:
     """Up to `steps` (<= MAX_ROUNDS_PER_CALL, traced) more decode steps of `ar_start`'s state (sequences with
-    `halt [B]` set end first): -> (the state, the tokens this call emitted `[B, min(MAX_ROUNDS_PER_CALL,
-    max_new_tokens)]`, -1 past each sequence's count)."""
+    `halt [B]` set end first; with `leave` (a traced bool) the call ends once a sequence does): -> (the state,
+    the tokens this call emitted `[B, min(MAX_ROUNDS_PER_CALL, max_new_tokens)]`, -1 past each sequence's
+    count). weights, weights_tree: `weight_leaves(params)`."""
+    (params,) = jax.tree.unflatten(weights_tree, weights)
     model = nnx.merge(graphdef, params)
     with kernel_scope(kernels):
-        return advance(state._replace(done=state.done | halt), steps, min(MAX_ROUNDS_PER_CALL, max_new_tokens),
+        return advance(state._replace(done=state.done | halt), steps, leave, min(MAX_ROUNDS_PER_CALL, max_new_tokens),
                        lambda s: _ar_step(model, s, keys, max_new_tokens, sampling, eos_ids, exact))
 
 
-def advance(state, iterations, width: int, body):
+def advance(state, iterations, leave, width: int, body):
     """`body` on `state` (a NamedTuple with `tokens [B, T]`, `num_tokens [B]`, `done [B]`) until every sequence
-    is done or `iterations` (traced) times: -> (state, the tokens it emitted `[B, width]`, -1 past each one's
+    is done, `iterations` (traced) times, or with `leave` (traced) once a sequence ends (a server's queued
+    request takes its row a call sooner): -> (state, the tokens it emitted `[B, width]`, -1 past each one's
     count; width >= what `iterations` can emit)."""
+    running = ~state.done
+
     def cond(carry):
         i, s = carry
-        return (i < iterations) & ~jnp.all(s.done)
+        return (i < iterations) & ~jnp.all(s.done) & ~(leave & jnp.any(s.done & running))
 
     before = state.num_tokens
     _, state = jax.lax.while_loop(cond, lambda carry: (carry[0] + 1, body(carry[1])), (jnp.int32(0), state))
@@ -279,10 +291,20 @@ def _on_mesh(mesh, x):
     return jax.device_put(x, cache_sharding(mesh, x) if isinstance(x, KVCache) else batch_sharding(mesh, np.ndim(x)))
 
 
+def split_models(bundle) -> dict:
+    """`nnx.split` of the bundle's models by role ("target", "drafter", "adapter"; those it has), for `_prepare`:
+    host code that prepares many batches of one bundle (`Slots`) splits once, since a split walks the model's graph
+    (~15 ms for a 30-layer target on a CPU)."""
+    return {role: nnx.split(model) for role, model in
+            (("target", bundle.target), ("drafter", bundle.drafter), ("adapter", bundle.adapter)) if model is not None}
+
+
 def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
-             method_options, round_only=False, pad_to=None, exact=False, caches=None):
+             method_options, round_only=False, pad_to=None, exact=False, caches=None, cache_size=None, splits=None):
     """Validation, padding and the jitted function's arguments: -> (fn, static, args). caches: the target's
-    (and for a speculative method the drafter's) to prefill after what they hold, instead of fresh ones."""
+    (and for a speculative method the drafter's) to prefill after what they hold, instead of fresh ones;
+    cache_size: fresh caches of that many slots (rows that join a batch with caches of that size: `Slots`);
+    splits: `split_models(bundle)` made before."""
     from weaver_jax._speculative import METHODS, spec_first_round, spec_generate
 
     if method not in ("ar", *METHODS):
@@ -302,7 +324,10 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {config.max_seq_len} tokens")
-    graphdef, params = nnx.split(bundle.target)
+    def split(role):
+        return splits[role] if splits else nnx.split(getattr(bundle, role))
+
+    graphdef, params = split("target")
     if method != "ar":
         options, nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy, len(prompts),
                                             target_parameters(params))
@@ -330,6 +355,11 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
         (bundle.target, padded_len + max_new_tokens + nodes),
         (bundle.drafter, padded_len + max_new_tokens + bundle.drafter.config.block_size)]
     sizes = [_round_up(n, 128) for _, n in needed]
+    if cache_size is not None:
+        if max(n for _, n in needed) > cache_size:
+            raise ValueError(f"caches of {cache_size} slots cannot hold prompts of {padded_len} tokens, "
+                             f"{max_new_tokens} new ones and a tree")
+        sizes = [cache_size] * len(needed)
     if caches is None:
         caches = [placed(fresh_cache(m, len(prompts), size)) for (m, _), size in zip(needed, sizes, strict=True)]
     else:  # a conversation's: prefilled after what they already hold
@@ -342,13 +372,13 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     if method == "ar":
         fn, args = ar_generate, [params, *caches]
     else:
-        drafter_graphdef, drafter_params = nnx.split(bundle.drafter)
+        drafter_graphdef, drafter_params = split("drafter")
         static.update(drafter_graphdef=drafter_graphdef, method=method, options=tuple(sorted(options.items())))
         fn = spec_first_round if round_only else spec_generate
         args = [params, drafter_params, *caches]
     args += [placed(a) for a in (batch, lengths, keys)]
     if method == "weaver":
-        adapter_graphdef, adapter_params = nnx.split(bundle.adapter)
+        adapter_graphdef, adapter_params = split("adapter")
         static.update(adapter_graphdef=adapter_graphdef)
         args.append(adapter_params)
     return fn, static, args

@@ -120,7 +120,8 @@ class Engine:
                     waiting.remove(job)
                     texts[id(job)] = Text(self.bundle.tokenizer, job.stop)
                 self.batch_sizes.append(sum(o is not None for o in slots.occupant))
-                for job, tokens in slots.step():
+                queued = any(self._fits(slots, j) for j in waiting)  # a row that frees is taken at once
+                for job, tokens in slots.step(leave=queued):
                     if id(job) in texts and self._emit(job, tokens, texts[id(job)]):
                         del texts[id(job)]
                         slots.release(slots.occupant.index(job))

@@ -462,20 +462,23 @@ def spec_start(params, drafter_params, cache: KVCache, drafter_cache: KVCache, p
         return _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("state",))
-def spec_advance(params, drafter_params, state: SpecState, keys, halt, rounds, adapter_params=None, *, graphdef,
-                 drafter_graphdef, adapter_graphdef=None, method: str, options: tuple = (), max_new_tokens: int,
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "weights_tree"), donate_argnames=("state",))
+def spec_advance(weights, state: SpecState, keys, halt, rounds, leave, *, weights_tree, graphdef, drafter_graphdef,
+                 adapter_graphdef=None, method: str, options: tuple = (), max_new_tokens: int,
                  sampling: Sampling = _GREEDY, eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (),
                  exact: bool = False) -> tuple[SpecState, jax.Array]:
     """Up to `rounds` (<= MAX_ROUNDS_PER_CALL, traced) more rounds of `spec_start`'s state (sequences with
-    `halt [B]` set end first): -> (the state, the tokens emitted by this call `[B, min(MAX_ROUNDS_PER_CALL x
-    (depth + 1), max_new_tokens)]`, -1 past each one's count)."""
+    `halt [B]` set end first; with `leave` (a traced bool) the call ends once a sequence does): -> (the state, the
+    tokens emitted by this call `[B, min(MAX_ROUNDS_PER_CALL x (depth + 1), max_new_tokens)]`, -1 past each one's
+    count). weights, weights_tree:
+    `weight_leaves(params, drafter_params, adapter_params)`."""
     from weaver_jax._generate import MAX_ROUNDS_PER_CALL, advance
 
+    params, drafter_params, adapter_params = jax.tree.unflatten(weights_tree, weights)
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
                    options, exact)
-        return advance(state._replace(done=state.done | halt), rounds,
+        return advance(state._replace(done=state.done | halt), rounds, leave,
                        min(MAX_ROUNDS_PER_CALL * (p.depth + 1), max_new_tokens),
                        lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0])
 

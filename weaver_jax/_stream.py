@@ -22,29 +22,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from weaver_jax import _generate
-from weaver_jax._generate import finish_reason, sequence_keys
-from weaver_jax._model import fresh_cache
+from weaver_jax._generate import finish_reason
 
 # A call has a fixed cost besides its rounds (measured 1.5-2.5 ms on an H200 at SmolLM2's shape, BENCHMARKS), so
 # unless told otherwise a stream sizes its calls to take about CALL_SECONDS each (text in ~10 updates a second),
-# starting small (a quick first chunk); the rounds per call are traced, so changing them compiles nothing.
+# starting small (a quick first chunk); the rounds per call are traced, so changing them compiles nothing. A
+# server's slots take shorter calls: a row whose sequence ends mid-call idles until the call ends, and a request
+# that arrives waits for it (SLOT_CALL_SECONDS: a first guess, to be measured on the H200 - bench/serve_load.py).
 CALL_SECONDS = 0.1
+SLOT_CALL_SECONDS = 0.03
 FIRST_ROUNDS = 4
 
 
 class Pace:
-    """Rounds for the next call: `fixed`, or adapted from how long the last call took (`tick` after each read)."""
+    """Rounds for the next call: `fixed`, or adapted so that a call takes about `seconds` from how long the last
+    took (`tick` after each read; `adapt=False` for a call that may have ended early)."""
 
-    def __init__(self, fixed: int | None):
+    def __init__(self, fixed: int | None, seconds: float = CALL_SECONDS):
         if fixed is not None and (not isinstance(fixed, int) or not 1 <= fixed <= _generate.MAX_ROUNDS_PER_CALL):
             raise ValueError(f"rounds_per_call must be an integer in [1, {_generate.MAX_ROUNDS_PER_CALL}], "
                              f"got {fixed!r}")
-        self.rounds, self.fixed, self.last = fixed or FIRST_ROUNDS, fixed is not None, None
+        self.rounds, self.fixed, self.seconds, self.last = fixed or FIRST_ROUNDS, fixed is not None, seconds, None
 
-    def tick(self) -> None:
+    def tick(self, adapt: bool = True) -> None:
         now = time.perf_counter()
-        if not self.fixed and self.last is not None:
-            scaled = self.rounds * CALL_SECONDS / max(now - self.last, 1e-4)
+        if adapt and not self.fixed and self.last is not None:
+            scaled = self.rounds * self.seconds / max(now - self.last, 1e-4)
             self.rounds = int(np.clip(round(scaled), 1, _generate.MAX_ROUNDS_PER_CALL))
         self.last = now
 
@@ -83,33 +86,40 @@ class Programs:
 
 class Loop:
     """The chunked loop over `_generate._prepare`'s `args`, shared by `Run` and `Slots`: `start(args)` -> the
-    prefilled state; `advance(state, keys, halted)` -> (state, the call's window read to the host), its rounds
-    from `Pace`, the halted rows and the rounds uploaded only when they change; `keys` the sequences' keys."""
+    prefilled state; `advance(state, keys, halted, leave)` -> (state, the call's window read to the host), its
+    rounds from `Pace` (calls of about `call_seconds`), the halted rows and the rounds uploaded only when they
+    change; `keys` the sequences' keys."""
 
-    def __init__(self, bundle, method: str, static: dict, args: list, rounds_per_call: int | None):
+    def __init__(self, bundle, method: str, static: dict, args: list, rounds_per_call: int | None,
+                 call_seconds: float = CALL_SECONDS):
         from weaver_jax._speculative import spec_advance, spec_start
 
         programs = Programs(static, bundle.mesh is not None)
         if method == "ar":
             self._start = lambda a: programs(_generate.ar_start, *a)
-            self._advance = lambda s, keys, halt, n: programs(_generate.ar_advance, args[0], s, keys, halt, n)
-            self.keys = args[4]
+            weights, tree = _generate.weight_leaves(args[0])
+            advance, self.keys = _generate.ar_advance, args[4]
         else:
             self._start = lambda a: programs(spec_start, *a)
-            self._advance = lambda s, keys, halt, n: programs(spec_advance, *args[:2], s, keys, halt, n, *args[7:])
-            self.keys = args[6]
-        self.bundle, self.pace = bundle, Pace(rounds_per_call)
+            weights, tree = _generate.weight_leaves(*args[:2], args[7] if len(args) > 7 else None)  # adapter
+            advance, self.keys = spec_advance, args[6]
+        advances = Programs(static | {"weights_tree": tree}, bundle.mesh is not None)
+        self._advance = lambda s, keys, halt, n, leave: advances(advance, weights, s, keys, halt, n, leave)
+        self.bundle, self.pace = bundle, Pace(rounds_per_call, call_seconds)
         self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
+        self._leave = Uploaded()
 
     def start(self, args: list):
         with _generate._mesh_scope(self.bundle):
             return self._start(args)
 
-    def advance(self, state, keys, halted: np.ndarray):
+    def advance(self, state, keys, halted: np.ndarray, leave: bool = False):
+        """leave: end the call once a sequence ends (its rounds then say nothing of the pace)."""
         with _generate._mesh_scope(self.bundle):
-            state, window = self._advance(state, keys, self._halt(halted), self._rounds(np.int32(self.pace.rounds)))
+            state, window = self._advance(state, keys, self._halt(halted), self._rounds(np.int32(self.pace.rounds)),
+                                          self._leave(np.bool_(leave)))
         window = np.asarray(window)
-        self.pace.tick()
+        self.pace.tick(adapt=not leave)
         return state, window
 
 
@@ -227,8 +237,8 @@ class Run:
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def insert_rows(state, new, rows):
-    """`state` (a batch's loop state) with rows `rows [K]` replaced by `new`'s K rows (a batch prefilled apart;
-    a row index past the batch drops that row); scalars (loop counters) stay the batch's."""
+    """`state` (a batch's loop state and keys) with rows `rows [K]` replaced by `new`'s K rows (a batch prefilled
+    apart; a row index past the batch drops that row); scalars (loop counters) stay the batch's."""
     return jax.tree.map(lambda big, small: big if big.ndim == 0 else big.at[rows].set(small, mode="drop"),
                         state, new)
 
@@ -242,13 +252,14 @@ class Slots:
     def __init__(self, bundle, size: int, *, method: str, max_new_tokens: int, context: int, temperature=0.0,
                  top_k=0, top_p=1.0, exact=False, rounds_per_call: int | None = None, **method_options):
         self.bundle, self.size, self.method, self.context = bundle, size, method, context
+        self.splits = _generate.split_models(bundle)  # the weights do not change while slots run
         self.settings = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, exact=exact, method_options=method_options)
         self.static, args = self._prepare([[0]] * size, [0] * size)
         budget = dict(self.static.get("options", ())).get("budget")
         if budget is not None:  # an insert prepares a batch of one: the default budget would be one's, not ours
             self.settings["method_options"] = method_options | {"budget": budget}
-        self.loop = Loop(bundle, method, self.static, args, rounds_per_call)
+        self.loop = Loop(bundle, method, self.static, args, rounds_per_call, SLOT_CALL_SECONDS)
         self.keys = self.loop.keys
         state = self.loop.start(args)
         self.state = state._replace(done=jnp.ones_like(state.done))  # every row free
@@ -259,11 +270,10 @@ class Slots:
     def _prepare(self, prompts, seeds, pad_to=None):
         """-> (static, args) for these prompts, with fresh caches of the slots' `context` positions."""
         s = self.settings
-        caches = [fresh_cache(self.bundle.target, len(prompts), self.context)] + (
-            [] if s["method"] == "ar" else [fresh_cache(self.bundle.drafter, len(prompts), self.context)])
         _, static, args = _generate._prepare(self.bundle, prompts, s["method"], s["max_new_tokens"],
                                              s["temperature"], s["top_k"], s["top_p"], seeds, None,
-                                             s["method_options"], pad_to=pad_to, exact=s["exact"], caches=caches)
+                                             s["method_options"], pad_to=pad_to, exact=s["exact"],
+                                             cache_size=self.context, splits=self.splits)
         return static, args
 
     def free(self) -> list[int]:
@@ -279,8 +289,9 @@ class Slots:
         _, args = self._prepare(prompts + prompts[:1] * (batch - k), seeds + seeds[:1] * (batch - k), pad_to=pad_to)
         new = self.loop.start(args)
         extra = new.tokens.shape[0] - k  # the padding, and a mesh's fill-up to its `data` axis
-        self.state = insert_rows(self.state, new, jnp.asarray(rows + [self.size] * extra))
-        self.keys = self.keys.at[jnp.asarray(rows)].set(sequence_keys(seeds, k))
+        new_keys = args[4] if self.method == "ar" else args[6]  # row i's: sequence_keys(seeds)[i]
+        self.state, self.keys = insert_rows((self.state, self.keys), (new, new_keys),
+                                            jnp.asarray(rows + [self.size] * extra))
         for j, (row, occupant) in enumerate(zip(rows, occupants, strict=True)):
             self.occupant[row], self.halted[row] = occupant, False
             self._first[row] = (new.tokens, j)
@@ -289,13 +300,14 @@ class Slots:
         """Row `row`'s sequence has ended (or its client has gone): the row stops and is free for the next."""
         self.occupant[row], self.halted[row] = None, True
 
-    def step(self) -> list[tuple[object, list[int]]]:
-        """Run a call; -> what it emitted: (occupant, new tokens) per row it ran for (a row inserted since the last
-        call opens with its prefill's first token)."""
+    def step(self, leave: bool = False) -> list[tuple[object, list[int]]]:
+        """Run a call (with `leave`, one that ends once a sequence ends: requests wait for a row); -> what it
+        emitted: (occupant, new tokens) per row it ran for (a row inserted since the last call opens with its
+        prefill's first token)."""
         firsts, self._first = self._first, {}
         opened = [(self.occupant[row], [int(np.asarray(tokens)[j, 0])]) for row, (tokens, j) in firsts.items()]
         occupants = list(self.occupant)
-        self.state, window = self.loop.advance(self.state, self.keys, self.halted)
+        self.state, window = self.loop.advance(self.state, self.keys, self.halted, leave)
         return opened + [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
 
 
