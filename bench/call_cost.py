@@ -7,7 +7,8 @@ per-call time at 1 and 16 rounds a call against a decode step inside `generate`,
 A random target of SmolLM2's shape with the shipped drafter and adapter (no GGUF needed), 96-token prompt, EOS off,
 `ar` and Weaver's defaults, through `_stream.Loop` as `Run` calls it (the halted rows and the rounds uploaded
 once); each figure the mean over the calls of one sequence after an untimed one. fixed_ms = per-call time at 1
-round less one round's time inside `generate`. Run it under XLA_FLAGS variants to find where the fixed cost goes
+round less one round's time inside `generate`; a call of 0 rounds is the dispatch alone (no loop body runs, so no
+command buffer is updated). Run it under XLA_FLAGS variants to find where the fixed cost goes
 (measured 2026-12-03 on an H200: ~1-2 ms a call, gone with command buffers off but every step 3.4x slower).
 """
 
@@ -35,8 +36,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random-target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--compiler-options", type=json.loads, default={},
+                        help='XLA options for every program (_generate.COMPILER_OPTIONS), as JSON')
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    _generate.COMPILER_OPTIONS.update(ar=args.compiler_options, spec=args.compiler_options)
     bundle = round_profile.bundle_for(argparse.Namespace(
         random_target=args.random_target, dtype=None, drafter=None, adapter=None, drafter_layers=0, adapter_shape={}))
     prompt, new = list(range(1, 97)), args.max_new_tokens
@@ -47,20 +51,32 @@ def main():
         out = wj.generate(bundle, [prompt], **options)
         round_ms = out.stats["seconds"] / out.stats["rounds"] * 1e3
         row = dict(method=method, round_ms_in_generate=round_ms, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                   compiler_options=args.compiler_options,
                    device=jax.devices()[0].device_kind)
+        _, static, loop_args = _generate._prepare(bundle, [prompt], method, new, 0.0, 0, 1.0, 0, [], {})
+        loop = _stream.Loop(bundle, method, static, loop_args, rounds_per_call=1)
+        state, halted = loop.start(loop_args), np.zeros((1,), bool)
+        for i in range(21):  # a call of no rounds: dispatch, arguments and the window alone (no loop body runs)
+            if i == 1:
+                t0 = time.perf_counter()
+            state, window = loop._advance(state, loop.keys, loop._halt(halted), loop._rounds(np.int32(0)),
+                                          loop._leave(np.bool_(False)))
+            np.asarray(window)
+        row["call_ms_at_0_rounds"] = (time.perf_counter() - t0) / 20 * 1e3
         for rounds in (1, 16):
             for _ in range(2):  # the first compiles
                 _, static, loop_args = _generate._prepare(bundle, [prompt], method, new, 0.0, 0, 1.0, 0, [], {})
                 loop = _stream.Loop(bundle, method, static, loop_args, rounds_per_call=rounds)
-                state, calls, emitted = loop.start(loop_args), 0, 1  # the prefill's token
+                state, calls, got = loop.start(loop_args), 0, []
                 np.asarray(state.tokens)
                 t0 = time.perf_counter()
-                while emitted < new:
+                while len(got) < new - 1:  # the prefill made the first token
                     state, window = loop.advance(state, loop.keys, np.zeros((1,), bool))
-                    emitted += int(np.sum(window >= 0))
+                    got += [int(t) for t in window[0] if t >= 0]
                     calls += 1
                 seconds = time.perf_counter() - t0
             row[f"call_ms_at_{rounds}_rounds"] = seconds / calls * 1e3
+            row[f"same_tokens_as_generate_at_{rounds}_rounds"] = got == out.tokens[0][1:]  # a flag must not change them
         row["fixed_ms"] = row["call_ms_at_1_rounds"] - round_ms
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -41,7 +41,8 @@
 #                                                 # E2E_LABEL: a suffix for its JSON)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
 #   bash bench/gpu_train.sh stream                                     # bench/stream.py: streaming's cost
-#   bash bench/gpu_train.sh serve "weaver ar"                          # bench/serve_load.py (carry .whl: the stage says which)
+#   bash bench/gpu_train.sh serve "weaver ar"                          # bench/serve_load.py (carry .whl: the stage says which;
+#                                                 # SERVE_ARGS="--slot-call-seconds 0.1" SERVE_LABEL=_0.1: other settings)
 #   bash bench/gpu_train.sh agreement "dflash weaver"                  # bench/agreement.py: same tokens as ar,
 #                                                 # default mode and exact=1, differences explained (AGREE_PER_SET)
 #
@@ -307,7 +308,8 @@ while [ $# -gt 0 ]; do
       # typing-inspection, jiter, sniffio, httpx2, httpcore2, truststore): the GPU image lacks them
       need_gguf; named_gguf
       timeout $((570 - SECONDS)) python3 bench/serve_load.py --methods $2 --concurrency 1 4 16 64 --requests 64 \
-        --max-tokens 256 --max-batch 16 --json "$OUT/serve_$(echo "$2" | tr ' ' '-').json" 2>&1 | grep -v "^\[\|^W1\|^I1"
+        --max-tokens 256 --max-batch 16 ${SERVE_ARGS:-} \
+        --json "$OUT/serve_$(echo "$2" | tr ' ' '-')${SERVE_LABEL:-}.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 2 ;;
     profile)  # profile BATCH CONFIGS
       need_gguf

@@ -28,7 +28,7 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
-from weaver_jax import _generate  # noqa: E402
+from weaver_jax import _generate, _stream  # noqa: E402
 from weaver_jax._serve import Server  # noqa: E402
 
 # Made-up requests (in none of the project's prompt sets): only their lengths and variety matter here.
@@ -56,8 +56,11 @@ def main():
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--slot-call-seconds", type=float, default=_stream.SLOT_CALL_SECONDS,
+                        help="how long the server's calls aim to take (_stream.SLOT_CALL_SECONDS)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    _stream.SLOT_CALL_SECONDS = args.slot_call_seconds
     bundle = wj.load(args.model)
     bundle = wj.Bundle(bundle.target, bundle.tokenizer, bundle.drafter, bundle.adapter, eos_token_ids=(),
                        name=bundle.name)  # EOS off: every answer is max_tokens long
@@ -96,6 +99,7 @@ def main():
                              p99_seconds=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
                              generate_batch_tokens_per_second=base, vs_generate_batch=tokens / seconds / base,
                              max_batch=args.max_batch, compiled_while_timed=compiled,
+                             slot_call_seconds=args.slot_call_seconds,
                              device=jax.devices()[0].device_kind))
             print(json.dumps(rows[-1]), flush=True)
             if args.json:
