@@ -38,7 +38,8 @@ from weaver_jax import _generate, _speculative  # noqa: E402
 
 
 @functools.partial(jax.jit, static_argnames=(*_speculative._STATIC, "coupled"))
-def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_lengths, keys, adapter_params=None, *,
+def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_lengths, keys, adapter_params=None,
+                 tables=None, *,
                  graphdef, drafter_graphdef, adapter_graphdef=None, method, options=(), max_new_tokens,
                  sampling=_speculative._GREEDY, eos_ids=(), kernels=(), exact=False, coupled=True):
     """`spec_first_round`'s arguments -> (greedy τ `[B]`, expected τ at temperature 1 by depth `[B, K + 1]`:
@@ -46,7 +47,7 @@ def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_l
     independent draws; sampled τ `[B]`: the walk of the round's own draws at `sampling` - with the tree
     coupled to them, as `generate` builds it, unless `coupled=False`)."""
     p = _speculative._parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef,
-                            method, options, exact)
+                            method, options, exact, tables)
     s = _speculative._prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
                               max_new_tokens)
     build = sampling if coupled else _speculative._GREEDY  # what the tree is built for

@@ -291,12 +291,26 @@ def _on_mesh(mesh, x):
     return jax.device_put(x, cache_sharding(mesh, x) if isinstance(x, KVCache) else batch_sharding(mesh, np.ndim(x)))
 
 
-def split_models(bundle) -> dict:
-    """`nnx.split` of the bundle's models by role ("target", "drafter", "adapter"; those it has), for `_prepare`:
-    host code that prepares many batches of one bundle (`Slots`) splits once, since a split walks the model's graph
-    (~15 ms for a 30-layer target on a CPU)."""
-    return {role: nnx.split(model) for role, model in
-            (("target", bundle.target), ("drafter", bundle.drafter), ("adapter", bundle.adapter)) if model is not None}
+def split_models(bundle, method: str) -> dict:
+    """What `_prepare` takes from the bundle's models for `method`: `nnx.split` by role ("target", "drafter",
+    "adapter") and Weaver's "tables" (`weaver_tables`). Host code that prepares many batches of one bundle
+    (`Slots`) makes them once: a split walks the model's graph (~15 ms for a 30-layer target on a CPU), the
+    tables are a product over the vocabulary."""
+    return _split_models(bundle, method, {})
+
+
+def _split_models(bundle, method: str, made: dict) -> dict:
+    roles = ("target",) if method == "ar" else ("target", "drafter") if method != "weaver" else (
+        "target", "drafter", "adapter")
+    made = made | {role: nnx.split(getattr(bundle, role)) for role in roles if role not in made}
+    if method == "weaver" and "tables" not in made:
+        from weaver_jax._speculative import weaver_tables
+
+        (graphdef, params), (adapter_graphdef, adapter_params) = made["target"], made["adapter"]
+        with _mesh_scope(bundle):
+            made["tables"] = weaver_tables(adapter_params, params, adapter_graphdef=adapter_graphdef,
+                                           graphdef=graphdef)
+    return made
 
 
 def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
@@ -304,7 +318,7 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     """Validation, padding and the jitted function's arguments: -> (fn, static, args). caches: the target's
     (and for a speculative method the drafter's) to prefill after what they hold, instead of fresh ones;
     cache_size: fresh caches of that many slots (rows that join a batch with caches of that size: `Slots`);
-    splits: `split_models(bundle)` made before."""
+    splits: `split_models(bundle, method)` made before."""
     from weaver_jax._speculative import METHODS, spec_first_round, spec_generate
 
     if method not in ("ar", *METHODS):
@@ -324,10 +338,7 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"context of {config.max_seq_len} tokens")
-    def split(role):
-        return splits[role] if splits else nnx.split(getattr(bundle, role))
-
-    graphdef, params = split("target")
+    graphdef, params = splits["target"] if splits else nnx.split(bundle.target)
     if method != "ar":
         options, nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy, len(prompts),
                                             target_parameters(params))
@@ -372,15 +383,16 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     if method == "ar":
         fn, args = ar_generate, [params, *caches]
     else:
-        drafter_graphdef, drafter_params = split("drafter")
+        splits = _split_models(bundle, method, splits or {"target": (graphdef, params)})
+        drafter_graphdef, drafter_params = splits["drafter"]
         static.update(drafter_graphdef=drafter_graphdef, method=method, options=tuple(sorted(options.items())))
         fn = spec_first_round if round_only else spec_generate
         args = [params, drafter_params, *caches]
     args += [placed(a) for a in (batch, lengths, keys)]
     if method == "weaver":
-        adapter_graphdef, adapter_params = split("adapter")
+        adapter_graphdef, adapter_params = splits["adapter"]
         static.update(adapter_graphdef=adapter_graphdef)
-        args.append(adapter_params)
+        args += [adapter_params, splits["tables"]]
     return fn, static, args
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from weaver_jax._adapter import weaver_tree
+from weaver_jax._adapter import Tables, weaver_tree
 from weaver_jax._model import ForwardOutput, KVCache, _write
 from weaver_jax._sampling import Sampling, choose, draw_noise, select
 from weaver_jax._tree import Tree, chain, ddtree, row_add, row_get, row_set
@@ -299,14 +299,15 @@ class _Parts(NamedTuple):
 
 
 def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method, options,
-           exact):
+           exact, tables=None):
     target = nnx.merge(graphdef, params)
     drafter = nnx.merge(drafter_graphdef, drafter_params)
     layer_ids = tuple(drafter.config.target_layer_ids)
-    adapter = tables = None
+    adapter = None
     if method == "weaver":
         adapter = nnx.merge(adapter_graphdef, adapter_params)
-        tables = adapter.tables(target)  # once per call, not per round
+        if tables is None:  # once per call, not per round
+            tables = adapter.tables(target)
     # "weaver" also needs the target's final normed state at the node that produced the root
     hidden_ids = layer_ids + ((target.config.num_layers - 1,) if method == "weaver" else ())
     options = dict(options)
@@ -424,25 +425,35 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     return state, tree, acc
 
 
+@functools.partial(jax.jit, static_argnames=("adapter_graphdef", "graphdef"))
+def weaver_tables(adapter_params, params, *, adapter_graphdef, graphdef) -> Tables:
+    """The adapter's two `[V, d]` tables for the target (`Adapter.tables`) as a program of their own: host code
+    makes them once and every call of a stream or a server's slots takes them (at the Qwen3-8B shape they are
+    ~2.5 TFLOP, ~4 ms on an H200, a call's worth of rounds at 30 ms a call), `generate` too, so that its tokens
+    and a stream's come from the same tables."""
+    return nnx.merge(adapter_graphdef, adapter_params).tables(nnx.merge(graphdef, params))
+
+
 _STATIC = ("graphdef", "drafter_graphdef", "adapter_graphdef", "method", "options", "max_new_tokens", "sampling",
            "eos_ids", "kernels", "exact")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "drafter_cache"))
 def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
-                  adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
+                  adapter_params=None, tables=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                   options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
                   eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (), exact: bool = False) -> SpecOutput:
     """Speculative counterpart of `ar_generate` (same prompt, cache and key conventions).
 
     options: the static method options as a sorted tuple of (name, value) (`tree_options`). The
     target cache needs `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens +
-    block_size`. "weaver" also takes the adapter's params and graphdef. kernels: the Pallas kernels to
-    use (`weaver_jax.pallas_kernels.KERNELS` names). exact: the target's row-invariant forward, which
-    makes the output bitwise `ar_generate(..., exact=True)`'s in any dtype."""
+    block_size`. "weaver" also takes the adapter's params and graphdef, and `weaver_tables`' result (made
+    inside when None). kernels: the Pallas kernels to use (`weaver_jax.pallas_kernels.KERNELS` names). exact:
+    the target's row-invariant forward, which makes the output bitwise `ar_generate(..., exact=True)`'s in any
+    dtype."""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
-                   options, exact)
+                   options, exact, tables)
         state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
                                    lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0], state)
@@ -452,13 +463,13 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "drafter_cache"))
 def spec_start(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
-               adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
+               adapter_params=None, tables=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
                options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
                eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (), exact: bool = False) -> SpecState:
     """`spec_generate`'s prefill alone (same arguments): -> the state `spec_advance` continues."""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
-                   options, exact)
+                   options, exact, tables)
         return _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
 
 
@@ -470,14 +481,13 @@ def spec_advance(weights, state: SpecState, keys, halt, rounds, leave, *, weight
     """Up to `rounds` (<= MAX_ROUNDS_PER_CALL, traced) more rounds of `spec_start`'s state (sequences with
     `halt [B]` set end first; with `leave` (a traced bool) the call ends once a sequence does): -> (the state, the
     tokens emitted by this call `[B, min(MAX_ROUNDS_PER_CALL x (depth + 1), max_new_tokens)]`, -1 past each one's
-    count). weights, weights_tree:
-    `weight_leaves(params, drafter_params, adapter_params)`."""
+    count). weights, weights_tree: `weight_leaves(params, drafter_params, adapter_params, tables)`."""
     from weaver_jax._generate import MAX_ROUNDS_PER_CALL, advance
 
-    params, drafter_params, adapter_params = jax.tree.unflatten(weights_tree, weights)
+    params, drafter_params, adapter_params, tables = jax.tree.unflatten(weights_tree, weights)
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
-                   options, exact)
+                   options, exact, tables)
         return advance(state._replace(done=state.done | halt), rounds, leave,
                        min(MAX_ROUNDS_PER_CALL * (p.depth + 1), max_new_tokens),
                        lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0])
@@ -485,15 +495,15 @@ def spec_advance(weights, state: SpecState, keys, halt, rounds, leave, *, weight
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def spec_first_round(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
-                     adapter_params=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
-                     options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
+                     adapter_params=None, tables=None, *, graphdef, drafter_graphdef, adapter_graphdef=None,
+                     method: str, options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
                      eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (),
                      exact: bool = False) -> tuple[Tree, Acceptance]:
     """The prefill and the first round of `spec_generate` (same arguments), for looking inside:
     -> (the proposal tree `[B, N]`, its acceptance: path `[B, K + 1]` of node indices, root first)."""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
-                   options, exact)
+                   options, exact, tables)
         state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
         _, tree, acc = _round(p, state, keys, sampling, eos_ids, max_new_tokens)
     return tree, acc

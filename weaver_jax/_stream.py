@@ -101,7 +101,7 @@ class Loop:
             advance, self.keys = _generate.ar_advance, args[4]
         else:
             self._start = lambda a: programs(spec_start, *a)
-            weights, tree = _generate.weight_leaves(*args[:2], args[7] if len(args) > 7 else None)  # adapter
+            weights, tree = _generate.weight_leaves(*args[:2], *(args[7:] or [None, None]))  # adapter, tables
             advance, self.keys = spec_advance, args[6]
         advances = Programs(static | {"weights_tree": tree}, bundle.mesh is not None)
         self._advance = lambda s, keys, halt, n, leave: advances(advance, weights, s, keys, halt, n, leave)
@@ -252,7 +252,7 @@ class Slots:
     def __init__(self, bundle, size: int, *, method: str, max_new_tokens: int, context: int, temperature=0.0,
                  top_k=0, top_p=1.0, exact=False, rounds_per_call: int | None = None, **method_options):
         self.bundle, self.size, self.method, self.context = bundle, size, method, context
-        self.splits = _generate.split_models(bundle)  # the weights do not change while slots run
+        self.splits = _generate.split_models(bundle, method)  # the weights do not change while slots run
         self.settings = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, exact=exact, method_options=method_options)
         self.static, args = self._prepare([[0]] * size, [0] * size)
