@@ -119,3 +119,5 @@ def test_stream_errors_name_the_problem():
         wj.generate(b, [PROMPT], max_new_tokens=4, stop=[""])
     with pytest.raises(ValueError, match="rounds_per_call must be an integer in"):
         list(wj.stream(b, PROMPT, max_new_tokens=4, rounds_per_call=0))
+    with pytest.raises(ValueError, match="caches of 128 slots cannot hold prompts of 32 tokens, 120 new ones"):
+        Slots(b, 2, method="ar", max_new_tokens=120, context=128)

@@ -300,8 +300,7 @@ def split_models(bundle, method: str) -> dict:
 
 
 def _split_models(bundle, method: str, made: dict) -> dict:
-    roles = ("target",) if method == "ar" else ("target", "drafter") if method != "weaver" else (
-        "target", "drafter", "adapter")
+    roles = {"ar": ("target",), "weaver": ("target", "drafter", "adapter")}.get(method, ("target", "drafter"))
     made = made | {role: nnx.split(getattr(bundle, role)) for role in roles if role not in made}
     if method == "weaver" and "tables" not in made:
         from weaver_jax._speculative import weaver_tables
