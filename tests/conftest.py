@@ -43,18 +43,3 @@ def make_pair(name: str, seed: int = 0, dtype: str = "float32", **overrides):
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param
-
-
-# The longest tests (`make test`'s durations: the sharded process ~2 min, the hybrid distribution, the notebooks)
-# start first: pytest-xdist hands each worker consecutive tests in collection order, and one of these collected
-# late kept a worker busy for minutes after the other had finished.
-LONGEST = ("test_sharded_cases_on_8_fake_devices",
-           "test_hybrid_sampling_is_seed_identical_and_has_the_autoregressive_distribution", "test_notebook_runs")
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item):  # stable sort: the rest keep their order
-        name = getattr(item, "originalname", "")
-        return LONGEST.index(name) if name in LONGEST else len(LONGEST)
-
-    items.sort(key=rank)

@@ -244,8 +244,12 @@ def test_batched_best_first_makes_valid_full_trees(seed, budget, children, root,
         tokens, logp, _ = inner(None, tree, nodes, width)
         return tokens, logp, calls + 1
 
-    tree, calls = batched_best_first(jnp.arange(3), counting, jnp.int32(0), budget=budget, children=children,
-                                     expansions=w, max_depth=depth, root_children=root)
+    # one program per example, not a compilation per primitive: XLA's CPU compiler crashed (a segfault, twice in
+    # full suites) compiling this search's loop eagerly
+    search = jax.jit(lambda roots: batched_best_first(roots, counting, jnp.int32(0), budget=budget,
+                                                      children=children, expansions=w, max_depth=depth,
+                                                      root_children=root))
+    tree, calls = search(jnp.arange(3))
     check_valid_tree(tree, depth)
     possible = sum((root or children) * children ** (d - 1) for d in range(1, depth + 1))
     assert np.asarray(tree.valid).sum(1).tolist() == [1 + min(budget, possible)] * 3
