@@ -72,6 +72,25 @@ def test_pad_to_shares_one_compilation_and_changes_nothing():
     assert other.stats["compile_seconds"] < padded.stats["compile_seconds"] / 10  # the compiled function, reused
 
 
+def test_generate_reads_weights_changed_in_place():
+    """A model's split is kept between calls only while its structure is the same, and its state is rebuilt from
+    the arrays it holds now: weights changed in place (training does) are what the next call reads, and a new
+    attribute makes a new split."""
+    from weaver_jax._generate import split
+
+    bundle = weaver_jax.testing.random_bundle(3)
+    prompts = [[5, 6, 7], [9, 1, 2, 3, 4]]
+    want = weaver_jax.generate(bundle, prompts, max_new_tokens=5).tokens
+    bundle.target.embed[...] = -bundle.target.embed[...]
+    changed = weaver_jax.generate(bundle, prompts, max_new_tokens=5).tokens
+    fresh = weaver_jax.Bundle(nnx.clone(bundle.target))  # never split before
+    assert changed == weaver_jax.generate(fresh, prompts, max_new_tokens=5).tokens != want
+    bundle.target.note = "an attribute"
+    graphdef, state = split(bundle.target)
+    assert graphdef == nnx.split(bundle.target)[0]
+    assert all(a is b for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(bundle.target), strict=True))
+
+
 def test_bundle_default_eos_is_used():
     bundle = weaver_jax.testing.random_bundle(3)
     free = weaver_jax.generate(bundle, [[5, 6, 7]], max_new_tokens=6).tokens[0]
