@@ -84,6 +84,11 @@ class Programs:
         return self.compiled[key](*args)
 
 
+def batch_keys(method: str, args: list) -> jax.Array:
+    """The sequences' keys `[B]` among `_generate._prepare`'s `args` for `method`."""
+    return args[4] if method == "ar" else args[6]
+
+
 class Loop:
     """The chunked loop over `_generate._prepare`'s `args`, shared by `Run` and `Slots`: `start(args)` -> the
     prefilled state; `advance(state, keys, halted, leave)` -> (state, the call's window read to the host), its
@@ -98,11 +103,12 @@ class Loop:
         if method == "ar":
             self._start = lambda a: programs(_generate.ar_start, *a)
             weights, tree = _generate.weight_leaves(args[0])
-            advance, self.keys = _generate.ar_advance, args[4]
+            advance = _generate.ar_advance
         else:
             self._start = lambda a: programs(spec_start, *a)
             weights, tree = _generate.weight_leaves(*args[:2], *(args[7:] or [None, None]))  # adapter, tables
-            advance, self.keys = spec_advance, args[6]
+            advance = spec_advance
+        self.keys = batch_keys(method, args)
         advances = Programs(static | {"weights_tree": tree}, bundle.mesh is not None)
         self._advance = lambda s, keys, halt, n, leave: advances(advance, weights, s, keys, halt, n, leave)
         self.bundle, self.pace = bundle, Pace(rounds_per_call, call_seconds)
@@ -289,8 +295,7 @@ class Slots:
         _, args = self._prepare(prompts + prompts[:1] * (batch - k), seeds + seeds[:1] * (batch - k), pad_to=pad_to)
         new = self.loop.start(args)
         extra = new.tokens.shape[0] - k  # the padding, and a mesh's fill-up to its `data` axis
-        new_keys = args[4] if self.method == "ar" else args[6]  # row i's: sequence_keys(seeds)[i]
-        self.state, self.keys = insert_rows((self.state, self.keys), (new, new_keys),
+        self.state, self.keys = insert_rows((self.state, self.keys), (new, batch_keys(self.method, args)),
                                             jnp.asarray(rows + [self.size] * extra))
         for j, (row, occupant) in enumerate(zip(rows, occupants, strict=True)):
             self.occupant[row], self.halted[row] = occupant, False
