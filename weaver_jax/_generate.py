@@ -315,7 +315,7 @@ def split(model) -> tuple[nnx.GraphDef, nnx.State]:
 def split_models(bundle, method: str) -> dict:
     """What `_prepare` takes from the bundle's models for `method`: `nnx.split` by role ("target", "drafter",
     "adapter", through `split`) and Weaver's "tables" (`weaver_tables`). Host code that prepares many batches of
-    one bundle (`Slots`) makes them once: the tables are a product over the vocabulary (~4 ms on an H200 at the
+    one bundle (`Slots`) makes them once: the tables are a product over the vocabulary (~2.5 TFLOP at the
     Qwen3-8B shape), and even a kept split lists the model's arrays (~1 ms at SmolLM2's shape on a CPU)."""
     return _split_models(bundle, method, {})
 

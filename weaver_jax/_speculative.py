@@ -429,7 +429,7 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
 def weaver_tables(adapter_params, params, *, adapter_graphdef, graphdef) -> Tables:
     """The adapter's two `[V, d]` tables for the target (`Adapter.tables`) as a program of their own: host code
     makes them once and every call of a stream or a server's slots takes them (at the Qwen3-8B shape they are
-    ~2.5 TFLOP, ~4 ms on an H200, a call's worth of rounds at 30 ms a call), `generate` too, so that its tokens
+    ~2.5 TFLOP: ~4 ms on an H200 by its bf16 peak, estimated, not measured), `generate` too, so that its tokens
     and a stream's come from the same tables."""
     return nnx.merge(adapter_graphdef, adapter_params).tables(nnx.merge(graphdef, params))
 
