@@ -20,6 +20,7 @@ import re
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 import jax
@@ -37,8 +38,15 @@ import weaver_jax as wj  # noqa: E402
 from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
 
 
-def gpu_events(run) -> list[tuple[str, str, float]]:
-    """(kernel name, HLO op, microseconds) of every event on the GPU's stream lines while `run()` runs."""
+class Event(typing.NamedTuple):
+    kernel: str  # the launch's name
+    op: str  # the HLO instruction it runs ("" when the trace does not say)
+    us: float
+    start_ns: int
+
+
+def gpu_timeline(run) -> list[Event]:
+    """Every event on the GPU's stream lines while `run()` runs, in start order."""
     with tempfile.TemporaryDirectory() as logdir:
         with jax.profiler.trace(logdir):
             jax.block_until_ready(run())
@@ -51,11 +59,16 @@ def gpu_events(run) -> list[tuple[str, str, float]]:
         for line in plane.lines:
             lines.append(line.name)
             if line.name.startswith("Stream"):  # the kernels as they ran (other lines are summaries)
-                events += [(event.name, str(dict(event.stats).get("hlo_op", "")), event.duration_ns / 1e3)
-                           for event in line.events]
+                events += [Event(event.name, str(dict(event.stats).get("hlo_op", "")), event.duration_ns / 1e3,
+                                 int(event.start_ns)) for event in line.events]
     if not events:
         print(f"no kernel events on the GPU's stream lines; lines: {lines}", file=sys.stderr)
-    return events
+    return sorted(events, key=lambda e: e.start_ns)
+
+
+def gpu_events(run) -> list[tuple[str, str, float]]:
+    """(kernel name, HLO op, microseconds) of every event on the GPU's stream lines while `run()` runs."""
+    return [(e.kernel, e.op, e.us) for e in gpu_timeline(run)]
 
 
 def describe(hlo: str, name: str) -> str:

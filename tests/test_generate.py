@@ -2,6 +2,7 @@
 max_new_tokens are exact; sampling is reproducible per sequence and draws from the filtered
 target distribution (checked against an independent NumPy filter)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,6 +90,23 @@ def test_generate_reads_weights_changed_in_place():
     graphdef, state = split(bundle.target)
     assert graphdef == nnx.split(bundle.target)[0]
     assert all(a is b for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(bundle.target), strict=True))
+
+
+def test_weaver_tables_are_made_again_only_when_weights_change():
+    """Weaver's tables are kept between calls while the adapter's and the target's arrays are the same objects; a
+    weight changed in place makes them again (their values: what a fresh bundle gets)."""
+    from weaver_jax._generate import split_models
+
+    bundle = weaver_jax.testing.random_bundle(3)
+    tables = split_models(bundle, "weaver")["tables"]
+    assert split_models(bundle, "weaver")["tables"] is tables
+    leaf = next(v for _, v in nnx.iter_graph(bundle.adapter) if isinstance(v, nnx.Param))
+    leaf[...] = leaf[...] + 1.0
+    remade = split_models(bundle, "weaver")["tables"]
+    fresh = weaver_jax.Bundle(bundle.target, drafter=bundle.drafter, adapter=nnx.clone(bundle.adapter))
+    want = split_models(fresh, "weaver")["tables"]
+    assert remade is not tables
+    chex.assert_trees_all_equal(remade, want)
 
 
 def test_bundle_default_eos_is_used():
