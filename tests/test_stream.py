@@ -56,6 +56,20 @@ def test_stream_and_stop_strings_emit_what_generate_emits(method, temperature):
     assert (stopped.tokens, stopped.stats["finish_reasons"]) == ([s.tokens], ["stop"])
 
 
+def test_a_stream_sends_each_call_before_reading_the_last():
+    """The device never waits on the host between calls: a call goes out before the one before it is read (the
+    first right behind the prefill; on a GPU a call returns once queued, `_generate.ASYNC_LOOP`); the one sent
+    while the sequence was ending is read and emits nothing."""
+    b, options = bundle(), dict(max_new_tokens=6, eos_token_id=[])
+    s = wj.stream(b, PROMPT, rounds_per_call=1, **options)
+    loop, events = s._run.loop, []
+    for name in ("send", "read"):
+        call = getattr(loop, name)
+        setattr(loop, name, lambda *a, call=call, name=name: events.append(name) or call(*a))
+    assert [t for c in s for t in c.tokens] == wj.generate(b, [PROMPT], **options).tokens[0]
+    assert events == ["send"] + ["send", "read"] * 5 + ["read"]
+
+
 def test_a_stop_string_ends_its_own_sequence_of_a_batch():
     b = bundle()
     prompts, options = [PROMPT, PROMPT[:3]], dict(max_new_tokens=NEW, seed=1)

@@ -91,9 +91,9 @@ def batch_keys(method: str, args: list) -> jax.Array:
 
 class Loop:
     """The chunked loop over `_generate._prepare`'s `args`, shared by `Run` and `Slots`: `start(args)` -> the
-    prefilled state; `advance(state, keys, halted, leave)` -> (state, the call's window read to the host), its
-    rounds from `Pace` (calls of about `call_seconds`), the halted rows and the rounds uploaded only when they
-    change; `keys` the sequences' keys."""
+    prefilled state; `send(state, keys, halted, leave)` -> (state, the call's window), both still on the device,
+    its rounds from `Pace` (calls of about `call_seconds`), the halted rows and the rounds uploaded only when they
+    change; `read(window)` -> the window on the host; `advance` both at once; `keys` the sequences' keys."""
 
     def __init__(self, bundle, method: str, static: dict, args: list, rounds_per_call: int | None,
                  call_seconds: float = CALL_SECONDS):
@@ -119,14 +119,22 @@ class Loop:
         with _generate._mesh_scope(self.bundle):
             return self._start(args)
 
-    def advance(self, state, keys, halted: np.ndarray, leave: bool = False):
-        """leave: end the call once a sequence ends (its rounds then say nothing of the pace)."""
+    def send(self, state, keys, halted: np.ndarray, leave: bool = False):
+        """leave: end the call once a sequence ends. On a GPU the call returns as soon as it is queued (its loop
+        runs inside a command buffer: `_generate.ASYNC_LOOP`), so the next can be sent before this one is read."""
         with _generate._mesh_scope(self.bundle):
-            state, window = self._advance(state, keys, self._halt(halted), self._rounds(np.int32(self.pace.rounds)),
-                                          self._leave(np.bool_(leave)))
+            return self._advance(state, keys, self._halt(halted), self._rounds(np.int32(self.pace.rounds)),
+                                 self._leave(np.bool_(leave)))
+
+    def read(self, window, adapt: bool = True) -> np.ndarray:
+        """adapt=False: the call may have ended early (`leave`), so its time says nothing of the pace."""
         window = np.asarray(window)
-        self.pace.tick(adapt=not leave)
-        return state, window
+        self.pace.tick(adapt)
+        return window
+
+    def advance(self, state, keys, halted: np.ndarray, leave: bool = False):
+        state, window = self.send(state, keys, halted, leave)
+        return state, self.read(window, adapt=not leave)
 
 
 class StreamChunk(NamedTuple):
@@ -197,10 +205,9 @@ class Run:
         self.halted = np.zeros((batch,), bool)
         self.done = np.zeros((batch,), bool)
         self.counts = np.zeros((batch,), np.int64)
-        t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         self.state = self.loop.start(args)
-        self.first = [int(t) for t in np.asarray(self.state.tokens)[:, 0]]
-        self.start_seconds = time.perf_counter() - t0
+        self.first = self.state.tokens[:, 0]  # on the device: the state goes into the first call unread
         self.seconds = 0.0
 
     def generated(self, i: int) -> list[int]:
@@ -216,28 +223,38 @@ class Run:
             self.done[i] = True
 
     def __iter__(self) -> Iterator[list[list[int]]]:
-        """Each call's new tokens per prompt (the prefill's first token first)."""
-        t0 = time.perf_counter()
+        """Each call's new tokens per prompt (the prefill's first token first). The next call is sent before the
+        last is read, so the device never waits for the host; a sequence halted or ended on the host still runs
+        in the call already sent (its tokens there are dropped, `generated` has them)."""
         try:
-            first = [[t] for t in self.first]
+            window = self._send()  # queued behind the prefill
+            first = [[int(t)] for t in np.asarray(self.first)]
             for i, new in enumerate(first):
                 self._update(i, new)
             yield first[: self.real]
-            while not self._finished():
-                self.state, window = self.loop.advance(self.state, self.loop.keys, self.halted)
-                new = [[int(t) for t in row if t >= 0] if not self.done[i] else [] for i, row in enumerate(window)]
+            while window is not None:
+                following = None if self._finished() else self._send()
+                rows = self.loop.read(window)
+                new = [[int(t) for t in row if t >= 0] if not (self.done[i] or self.halted[i]) else []
+                       for i, row in enumerate(rows)]
                 for i, tokens in enumerate(new):
                     self._update(i, tokens)
-                yield new[: self.real]
+                if any(new[: self.real]):
+                    yield new[: self.real]
+                window = following
         finally:  # also when the caller stops reading early (a stop string, a closed stream)
-            self.seconds = time.perf_counter() - t0
+            self.seconds = time.perf_counter() - self.t0
+
+    def _send(self):
+        self.state, window = self.loop.send(self.state, self.loop.keys, self.halted)
+        return window
 
     def _finished(self) -> bool:
         return bool(np.all((self.done | self.halted)[: self.real]))
 
     def stats(self, tokens: list[list[int]], finish_reasons: list[str]) -> dict:
         """`generate`'s stats for this run's tokens (rounds as run on the device)."""
-        return _generate.run_stats(self.state, self.method, tokens, self.seconds + self.start_seconds, 0.0,
+        return _generate.run_stats(self.state, self.method, tokens, self.seconds, 0.0,
                                    self.static, self.real, finish_reasons)
 
 
