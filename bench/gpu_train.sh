@@ -41,6 +41,7 @@
 #                                                 # E2E_LABEL: a suffix for its JSON)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
 #   bash bench/gpu_train.sh stream                                     # bench/stream.py: streaming's cost
+#                                                 # (STREAM_ROUNDS="0 16": those rounds_per_call only)
 #   bash bench/gpu_train.sh serve "weaver ar"                          # bench/serve_load.py (carry .whl: the stage says which;
 #                                                 # SERVE_ARGS="--slot-call-seconds 0.1" SERVE_LABEL=_0.1: other settings)
 #   bash bench/gpu_train.sh agreement "dflash weaver"                  # bench/agreement.py: same tokens as ar,
@@ -300,7 +301,7 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     stream)  # bench/stream.py: what streaming costs against generate, the real pair (ar, weaver; 256 tokens)
       need_gguf; named_gguf
-      timeout $((570 - SECONDS)) python3 bench/stream.py --methods ar weaver --rounds 0 1 4 16 --max-new-tokens 256 \
+      timeout $((570 - SECONDS)) python3 bench/stream.py --methods ar weaver --rounds ${STREAM_ROUNDS:-0 1 4 16} --max-new-tokens 256 \
         --json "$OUT/stream.json" 2>&1 | grep -v "^\[\|^W1\|^I1\|Warning"
       shift ;;
     serve)  # serve METHODS: bench/serve_load.py, concurrency 1 / 4 / 16 / 64, 64 requests of 256 tokens; carry
