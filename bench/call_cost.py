@@ -1,16 +1,21 @@
-"""What a chunked-loop call costs besides its rounds (streaming and the server run a few rounds per call):
-per-call time at 1 and 16 rounds a call against a decode step inside `generate`, one sequence.
+"""What a chunked-loop call costs besides its rounds (streaming and the server run a few rounds per call), one
+sequence: per-call time at 0, 1 and 16 rounds a call against a decode step inside `generate`; how long sending a
+call takes against the call (a call whose loop runs from the host returns only once the loop has ended); and one
+sequence's time through calls of 16 and 64 rounds, each read before the next is sent ("serial") or the next sent
+first ("ahead", what `Run` does), against `generate`'s.
 
     python bench/call_cost.py --json out.json
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN python bench/call_cost.py
 
 A random target of SmolLM2's shape with the shipped drafter and adapter (no GGUF needed), 96-token prompt, EOS off,
-`ar` and Weaver's defaults, through `_stream.Loop` as `Run` calls it (the halted rows and the rounds uploaded
-once); each figure the mean over the calls of one sequence after an untimed one. fixed_ms = per-call time at 1
-round less one round's time inside `generate`; a call of 0 rounds is the dispatch alone (no loop body runs, so no
-command buffer is updated). Run it under XLA_FLAGS variants to find where the fixed cost goes (measured
-2026-12-04 on an H200: a 0-round call 1.5 ms for `ar`, 2.3 for Weaver, no cheaper under any XLA flag tried,
-command buffers off included: the host's dispatch; BENCHMARKS, issue 40's third pass).
+`ar` and Weaver's defaults, through `_stream.Loop` (the halted rows and the rounds uploaded once); each per-call
+figure the mean over the calls of one sequence after an untimed one, each sequence figure the median of 4.
+fixed_ms = per-call time at 1 round less one round's time inside `generate`; a call of 0 rounds is the dispatch
+alone (no loop body runs). XLA_FLAGS that set the command buffers' list replace `_generate.ASYNC_LOOP` (the
+second command above: XLA's default, the loop run from the host). Measured on an H200 (BENCHMARKS, issue 40):
+a 0-round call 1.5 ms for `ar`, 2.3 for Weaver under XLA's defaults, no cheaper under any flag tried; with
+the loop as a command buffer a 16-round call is sent in 1.7 ms instead of 17.4, and sending ahead makes a
+sequence as fast as `generate`. `--profile`: GPU traces of `generate`'s loop and of 16-round calls.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import itertools
 import json
 import os
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -81,6 +87,23 @@ def main():
             row[f"call_ms_at_{rounds}_rounds"] = seconds / calls * 1e3
             row[f"same_tokens_as_generate_at_{rounds}_rounds"] = got == out.tokens[0][1:]  # a flag must not change them
         row["fixed_ms"] = row["call_ms_at_1_rounds"] - round_ms
+        row["generate_ms"] = statistics.median(timed(wj.generate, bundle, [prompt], **options) for _ in range(4))
+        for rounds in (16, 64):
+            loop, state = fresh_loop(bundle, method, prompt, new, rounds)
+            sent, total = [], []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                state, window = loop.send(state, loop.keys, np.zeros((1,), bool))
+                sent.append(time.perf_counter() - t0)
+                np.asarray(window)
+                total.append(time.perf_counter() - t0)
+            row[f"send_ms_at_{rounds}_rounds"] = statistics.median(sent) * 1e3
+            row[f"call_ms_at_{rounds}_rounds_sent"] = statistics.median(total) * 1e3
+            for name, run in (("serial", drain), ("ahead", drain_ahead)):  # the prefill included, as in generate
+                runs = [timed(run, *fresh_loop(bundle, method, prompt, new, rounds, wait=False), new)
+                        for _ in range(4)]
+                row[f"sequence_ms_{name}_{rounds}_rounds"] = statistics.median(runs)
+                assert run(*fresh_loop(bundle, method, prompt, new, rounds), new)[1] == out.tokens[0][1:], name
         if args.profile:
             row["profile"] = profile(bundle, method, prompt, new, args.hlo_dir)
         rows.append(row)
@@ -89,12 +112,14 @@ def main():
         args.json.write_text(json.dumps(rows, indent=1))
 
 
-def fresh_loop(bundle, method: str, prompt: list[int], new: int, rounds_per_call: int):
-    """A `_stream.Loop` of `rounds_per_call` rounds a call, prefilled: -> (loop, state)."""
+def fresh_loop(bundle, method: str, prompt: list[int], new: int, rounds_per_call: int, wait: bool = True):
+    """A `_stream.Loop` of `rounds_per_call` rounds a call, its prefill sent (and done, with `wait`): -> (loop,
+    state)."""
     _, static, loop_args = _generate._prepare(bundle, [prompt], method, new, 0.0, 0, 1.0, 0, [], {})
     loop = _stream.Loop(bundle, method, static, loop_args, rounds_per_call=rounds_per_call)
     state = loop.start(loop_args)
-    np.asarray(state.tokens)
+    if wait:
+        np.asarray(state.tokens)
     return loop, state
 
 
@@ -106,6 +131,28 @@ def drain(loop, state, new: int):
         got += [int(t) for t in window[0] if t >= 0]
         calls += 1
     return state, got, calls
+
+
+def drain_ahead(loop, state, new: int):
+    """`drain` with each call sent before the last is read (`Run`'s order): -> (state, tokens, calls)."""
+    got, calls = [], 0
+    state, window = loop.send(state, loop.keys, np.zeros((1,), bool))
+    while True:
+        following = None
+        if len(got) < new - 1:
+            state, following = loop.send(state, loop.keys, np.zeros((1,), bool))
+        got += [int(t) for t in loop.read(window)[0] if t >= 0]
+        calls += 1
+        if len(got) >= new - 1:
+            return state, got, calls
+        window = following
+
+
+def timed(run, *args, **kwargs) -> float:
+    """Milliseconds `run(*args, **kwargs)` takes (its result waited for)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(*args, **kwargs))
+    return (time.perf_counter() - t0) * 1e3
 
 
 def loop_iterations(state) -> int:

@@ -57,9 +57,9 @@ def test_stream_and_stop_strings_emit_what_generate_emits(method, temperature):
 
 
 def test_a_stream_sends_each_call_before_reading_the_last():
-    """The device never waits on the host between calls: a call goes out before the one before it is read (the
-    first right behind the prefill; on a GPU a call returns once queued, `_generate.ASYNC_LOOP`); the one sent
-    while the sequence was ending is read and emits nothing."""
+    """The device does not wait on the host between calls: a call goes out before the one before it is read (on a
+    GPU a call returns once queued, `_generate.ASYNC_LOOP`); the one sent while the sequence was ending is read
+    and emits nothing."""
     b, options = bundle(), dict(max_new_tokens=6, eos_token_id=[])
     s = wj.stream(b, PROMPT, rounds_per_call=1, **options)
     loop, events = s._run.loop, []

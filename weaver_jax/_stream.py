@@ -207,7 +207,6 @@ class Run:
         self.counts = np.zeros((batch,), np.int64)
         self.t0 = time.perf_counter()
         self.state = self.loop.start(args)
-        self.first = self.state.tokens[:, 0]  # on the device: the state goes into the first call unread
         self.seconds = 0.0
 
     def generated(self, i: int) -> list[int]:
@@ -223,15 +222,15 @@ class Run:
             self.done[i] = True
 
     def __iter__(self) -> Iterator[list[list[int]]]:
-        """Each call's new tokens per prompt (the prefill's first token first). The next call is sent before the
-        last is read, so the device never waits for the host; a sequence halted or ended on the host still runs
-        in the call already sent (its tokens there are dropped, `generated` has them)."""
+        """Each call's new tokens per prompt (the prefill's first token first). From the second call on, a call is
+        sent before the last is read, so the device does not wait for the host; a sequence halted or ended on the
+        host still runs in the call already sent (its tokens there are dropped, `generated` has them)."""
         try:
-            window = self._send()  # queued behind the prefill
-            first = [[int(t)] for t in np.asarray(self.first)]
-            for i, new in enumerate(first):
+            first = [[int(t)] for t in np.asarray(self.state.tokens)[:, 0]]  # read before any call is sent:
+            for i, new in enumerate(first):  # a call's first sending costs its host ~4 ms (H200), the prefill less
                 self._update(i, new)
             yield first[: self.real]
+            window = None if self._finished() else self._send()
             while window is not None:
                 following = None if self._finished() else self._send()
                 rows = self.loop.read(window)
