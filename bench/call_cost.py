@@ -1,8 +1,8 @@
 """What a chunked-loop call costs besides its rounds (streaming and the server run a few rounds per call), one
 sequence: per-call time at 0, 1 and 16 rounds a call against a decode step inside `generate`; how long sending a
 call takes against the call (a call whose loop runs from the host returns only once the loop has ended); and one
-sequence's time through calls of 16 and 64 rounds, each read before the next is sent ("serial") or the next sent
-first ("ahead", what `Run` does), against `generate`'s.
+sequence's time through calls of 16 and 64 rounds, each read before the next is sent ("serial") or through
+`_stream.Run`, which sends each call before reading the last ("ahead"), against `generate`'s.
 
     python bench/call_cost.py --json out.json
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN python bench/call_cost.py
@@ -99,11 +99,8 @@ def main():
                 total.append(time.perf_counter() - t0)
             row[f"send_ms_at_{rounds}_rounds"] = statistics.median(sent) * 1e3
             row[f"call_ms_at_{rounds}_rounds_sent"] = statistics.median(total) * 1e3
-            for name, run in (("serial", drain), ("ahead", drain_ahead)):  # the prefill included, as in generate
-                runs = [timed(run, *fresh_loop(bundle, method, prompt, new, rounds, wait=False), new)
-                        for _ in range(4)]
-                row[f"sequence_ms_{name}_{rounds}_rounds"] = statistics.median(runs)
-                assert run(*fresh_loop(bundle, method, prompt, new, rounds), new)[1] == out.tokens[0][1:], name
+            for name, ms in sequence_ms(bundle, method, prompt, new, rounds, out.tokens[0]).items():
+                row[f"sequence_ms_{name}_{rounds}_rounds"] = ms
         if args.profile:
             row["profile"] = profile(bundle, method, prompt, new, args.hlo_dir)
         rows.append(row)
@@ -133,19 +130,26 @@ def drain(loop, state, new: int):
     return state, got, calls
 
 
-def drain_ahead(loop, state, new: int):
-    """`drain` with each call sent before the last is read (`Run`'s order): -> (state, tokens, calls)."""
-    got, calls = [], 0
-    state, window = loop.send(state, loop.keys, np.zeros((1,), bool))
-    while True:
-        following = None
-        if len(got) < new - 1:
-            state, following = loop.send(state, loop.keys, np.zeros((1,), bool))
-        got += [int(t) for t in loop.read(window)[0] if t >= 0]
-        calls += 1
-        if len(got) >= new - 1:
-            return state, got, calls
-        window = following
+def sequence_ms(bundle, method: str, prompt: list[int], new: int, rounds: int, want: list[int]) -> dict:
+    """One sequence through calls of `rounds`, read one by one (`drain`: "serial") and through `_stream.Run`, which
+    sends each call before reading the last ("ahead"): -> the median milliseconds of 4 each, from the prefill's
+    sending (as in `generate`) to the last token; the tokens checked against `want`."""
+    made = {"serial": lambda: fresh_loop(bundle, method, prompt, new, rounds, wait=False),
+            "ahead": lambda: _stream.Run(bundle, [prompt], method=method, max_new_tokens=new, eos_token_id=[],
+                                         rounds_per_call=rounds)}
+    emitted = {"serial": lambda loop_state: drain(*loop_state, new)[1],
+               "ahead": lambda run: [t for chunk in run for t in chunk[0]][1:]}
+    result = {}
+    for name in made:
+        runs = []
+        for _ in range(4):
+            started = made[name]()
+            t0 = time.perf_counter()
+            tokens = emitted[name](started)
+            runs.append((time.perf_counter() - t0) * 1e3)
+            assert tokens == want[1:], name
+        result[name] = statistics.median(runs)
+    return result
 
 
 def timed(run, *args, **kwargs) -> float:

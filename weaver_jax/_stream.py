@@ -228,8 +228,9 @@ class Run:
         sent before the last is read, so the device does not wait for the host; a sequence halted or ended on the
         host still runs in the call already sent (its tokens there are dropped, `generated` has them)."""
         try:
-            first = [[int(t)] for t in np.asarray(self.state.tokens)[:, 0]]  # read before any call is sent:
-            for i, new in enumerate(first):  # a call's first sending costs its host ~4 ms (H200), the prefill less
+            # read before any call is sent: a call's first sending costs the host ~4 ms (H200), the prefill less
+            first = [[int(t)] for t in np.asarray(self.state.tokens)[:, 0]]
+            for i, new in enumerate(first):
                 self._update(i, new)
             yield first[: self.real]
             window = None if self._finished() else self._send()
