@@ -40,6 +40,16 @@ def make_pair(name: str, seed: int = 0, dtype: str = "float32", **overrides):
     return cfg, weights, target
 
 
+@pytest.fixture(autouse=True)
+def _auto_costs(tmp_path_factory, monkeypatch):
+    """method="auto"'s round times and acceptance in a file of this test session (one per worker), not the
+    user's cache (a test that needs a file of its own patches `cost_file` again)."""
+    from weaver_jax import _auto
+
+    path = tmp_path_factory.getbasetemp() / "auto_costs.json"
+    monkeypatch.setattr(_auto, "cost_file", lambda: path)
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param

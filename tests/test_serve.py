@@ -3,6 +3,7 @@
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ import uvicorn
 from starlette.testclient import TestClient
 
 import weaver_jax as wj
-from weaver_jax import _generate
+from weaver_jax import _auto, _generate
 from weaver_jax._serve import Server
 from weaver_jax._stream import insert_rows
 
@@ -72,7 +73,7 @@ def test_chat_and_completions_are_generates_text_streamed_or_not():
     assert "".join(e["choices"][0]["text"] for e in events) == text
 
 
-def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one():
+def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one(monkeypatch, tmp_path):
     """Two slots, three requests: the first two start together, each ends at its own limit or stop string, and
     the third takes the slot the short one frees while the first runs on; every reply is `generate`'s."""
     b = bundle()
@@ -80,7 +81,15 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one():
     prompt = b.tokenizer.apply_chat_template(MESSAGES)
     full, _ = expected(prompt, 16, "dflash")
     want = [expected(prompt, 2, "dflash")[0], expected(b.tokenizer.apply_chat_template(other), 6, "dflash")[0]]
-    server = Server(b, method="dflash", max_batch=2, start=False, warmup=(0.0,))  # the engine starts once
+    # method="auto" over plain steps and the chain, switching at every call: the slots' rows share each call's tier
+    monkeypatch.setattr(_auto.Autopilot, "next", lambda self: self.tiers[next(calls) % len(self.tiers)])
+    calls = itertools.count()
+    monkeypatch.setattr(_auto, "cost_file", lambda: tmp_path / "auto_costs.json")
+    parameters = _generate.target_parameters(_generate.split(b.target)[1])
+    for size in (1, 2):  # round times where the chain pays (else plain decoding would run outright)
+        tiers = _auto.tiers(b, ["dflash"], sampled=False, batch=size, parameters=parameters)
+        _auto.keep_costs(b, tiers, {"ar": 1.0, "dflash": 1.0}, sampled=False, exact=False, batch=size)
+    server = Server(b, method="auto", tiers=["dflash"], max_batch=2, start=False, warmup=(0.0,))  # started once
     programs = len(_generate._COMPILED), insert_rows._cache_size()  # all three wait; nothing compiles after
     client = TestClient(server.app)
     stop = next(c for c in full[4:] if c != "\ufffd")
@@ -105,6 +114,7 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one():
     assert replies[0]["choices"][0]["finish_reason"] == "stop"
     assert max(server.engine.batch_sizes) == 2 and server.engine.batch_sizes[0] == 2
     assert (len(_generate._COMPILED), insert_rows._cache_size()) == programs  # the warm-up compiled them
+    assert all(server.engine.slots.autopilot.rounds.values())  # both tiers ran
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ def test_a_stream_sends_each_call_before_reading_the_last():
     loop, events = s._run.loop, []
     for name in ("send", "read"):
         call = getattr(loop, name)
-        setattr(loop, name, lambda *a, call=call, name=name: events.append(name) or call(*a))
+        setattr(loop, name, lambda *a, call=call, name=name, **k: events.append(name) or call(*a, **k))
     assert [t for c in s for t in c.tokens] == wj.generate(b, [PROMPT], **options).tokens[0]
     assert events == ["send"] + ["send", "read"] * 5 + ["read"]
 

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from weaver_jax._generate import _speculative_setup, target_parameters
+from weaver_jax._auto import Plan, tree_nodes
+from weaver_jax._generate import target_parameters
 from weaver_jax._hybrid import HybridCache
 from weaver_jax._model import fresh_cache
 from weaver_jax._stream import Run, Text, TokenStream
@@ -39,6 +40,11 @@ class Conversation:
         self.bundle, self.method, self.max_new_tokens, self.options = bundle, method, max_new_tokens, options
         self.context = context or min(bundle.config.max_seq_len, 4096)
         self.parameters = target_parameters(nnx.split(bundle.target)[1])  # for the default tree budget
+        self.plan = None
+        if method == "auto":  # chosen once: the caches kept between turns are plain decoding's or the tiers'
+            self.plan = Plan(bundle, [[0]], options.get("temperature", 0), options.get("exact", False),
+                             self._method_options())
+            self.method = "auto" if self.plan.loop_tiers else "ar"
         self.stats: dict = {}
         self.prefilled = 0  # tokens the last turn's prefill covered
         self.reset()
@@ -77,22 +83,23 @@ class Conversation:
             self.messages.pop()
             raise ValueError(f"the conversation fills the {self.context}-token context: /reset to start over")
         self.prefilled = len(new)
+        options = self.options if self.method != "ar" else {k: v for k, v in self.options.items() if k in SAMPLING}
         run = Run(self.bundle, [new], method=self.method, max_new_tokens=min(self.max_new_tokens, room),
-                  caches=self.caches, pad_to=pad, **self.options)
+                  caches=self.caches, pad_to=pad, plan=self.plan, **options)
         stream = TokenStream(run, Text(self.bundle.tokenizer))
         return _Turn(self, stream, run, new)
 
+    def _method_options(self) -> dict:
+        return {k: v for k, v in self.options.items() if k not in SAMPLING}
+
     def _tree_nodes(self) -> int:
-        if self.method == "ar":
-            return 0
-        options = {k: v for k, v in self.options.items() if k not in SAMPLING}
-        return _speculative_setup(self.bundle, self.method, options, self.options.get("temperature", 0) > 0, 1,
-                                  self.parameters)[1]
+        return tree_nodes(self.bundle, self.method, {} if self.method == "ar" else self._method_options(),
+                          sampled=self.options.get("temperature", 0) > 0, batch=1, parameters=self.parameters)
 
     def _end_turn(self, run: Run, new: list[int], stream: TokenStream) -> None:
         answer = run.generated(0)  # what the caches hold, even past what was read
         state = run.state
-        self.caches = (state.cache,) if self.method == "ar" else (state.cache, state.drafter_cache)
+        self.caches = (state.cache,) if run.method == "ar" else (state.cache, state.drafter_cache)
         self.cached += new + answer[:-1]
         self.messages.append({"role": "assistant",
                               "content": self.bundle.tokenizer.decode(answer, skip_special_tokens=True)})

@@ -397,11 +397,13 @@ def _tables(bundle, target_split, adapter_split):
 
 
 def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
-             method_options, round_only=False, pad_to=None, exact=False, caches=None, cache_size=None, splits=None):
+             method_options, round_only=False, pad_to=None, exact=False, caches=None, cache_size=None, splits=None,
+             nodes=None):
     """Validation, padding and the jitted function's arguments: -> (fn, static, args). caches: the target's
     (and for a speculative method the drafter's) to prefill after what they hold, instead of fresh ones;
     cache_size: fresh caches of that many slots (rows that join a batch with caches of that size: `Slots`);
-    splits: `split_models(bundle, method)` made before."""
+    splits: `split_models(bundle, method)` made before; nodes: room for trees this large instead of the method's
+    (method="auto": its largest tier's)."""
     from weaver_jax._speculative import METHODS, spec_first_round, spec_generate
 
     if method not in ("ar", *METHODS):
@@ -423,8 +425,9 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
             f"context of {config.max_seq_len} tokens")
     graphdef, params = splits["target"] if splits else split(bundle.target)
     if method != "ar":
-        options, nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy, len(prompts),
-                                            target_parameters(params))
+        options, own_nodes = _speculative_setup(bundle, method, method_options, not sampling.greedy, len(prompts),
+                                                target_parameters(params))
+        nodes = max(nodes or 0, own_nodes)
 
     if pad_to is None:
         padded_len = _round_up(longest, 32)
@@ -485,7 +488,9 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
              stop: str | Sequence[str] | None = None, **method_options) -> GenerateResult:
     """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
 
-    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option `budget`) or
+    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option `budget`),
+    "auto" (the method chosen per call and adapted during it from this device's measured round times and the
+    running acceptance, `weaver_jax._auto`; options `tiers`, `remeasure`; `stats["settings"]` says what ran) or
     "weaver" (options `budget`, `children_per_node` (8), `root_children` (the root's:
     `children_per_node`; sampling, where the first token is often outside a node's top 8: budget // 2,
     at least `children_per_node`, at most `pool_size`), `expansions_per_call` (min(8, ceil(budget /
@@ -509,12 +514,22 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     methods add `mean_accepted_length`, `accepted_length_histogram`, `options` (the method's options
     as run, defaults filled in), and per prompt `sequence_verifications` and `sequence_accepted_tokens`).
     """
-    if stop is not None:  # the text decides where a sequence ends: rounds a few at a time, read as they come
-        from weaver_jax._stream import generate_with_stop
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   eos_token_id=eos_token_id, pad_to=pad_to, exact=exact)
+    if method == "auto":
+        from weaver_jax._auto import Plan
 
-        return generate_with_stop(bundle, prompts, stop=stop, max_new_tokens=max_new_tokens, method=method,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                  eos_token_id=eos_token_id, pad_to=pad_to, exact=exact, **method_options)
+        plan = Plan(bundle, validate_prompts(prompts, bundle.target.config.vocab_size), temperature, exact,
+                    method_options)
+        if plan.loop_tiers is None and stop is None:  # plain decoding predicted fastest: its whole-call program
+            result = generate(bundle, prompts, method="ar", **options)
+            result.stats["settings"] = plan.settings()
+            return result
+    if stop is not None or method == "auto":  # rounds a few at a time, read as they come: the text decides where
+        # a sequence ends, or the tier of the next call is chosen from the last ones' acceptance
+        from weaver_jax._stream import generate_chunked
+
+        return generate_chunked(bundle, prompts, stop=stop, method=method, **options, **method_options)
     fn, static, args = _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed,
                                 eos_token_id, method_options, pad_to=pad_to, exact=exact)
     t0 = time.perf_counter()

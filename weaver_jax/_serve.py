@@ -24,11 +24,12 @@ from collections.abc import AsyncIterator
 
 from flax import nnx
 
-from weaver_jax._generate import _speculative_setup, finish_reason, target_parameters
+from weaver_jax._auto import tree_nodes
+from weaver_jax._generate import finish_reason, target_parameters
 from weaver_jax._stream import Slots, Text, check_stop
 
 MAX_TOKENS_DEFAULT = 256
-METHODS = ("ar", "dflash", "ddtree", "weaver")
+METHODS = ("auto", "ar", "dflash", "ddtree", "weaver")
 
 
 class RequestError(ValueError):
@@ -137,9 +138,12 @@ class Engine:
         while True:
             jobs = [Job([0], MAX_TOKENS_DEFAULT, settings, 0, (), None) for _ in range(size)]
             slots = self._slots(jobs[0], jobs)
+            if slots.autopilot and slots.autopilot.measured:  # method="auto" timed its tiers: now it may choose
+                slots = self._slots(jobs[0], jobs)  # plain decoding outright, as the requests' slots will
             slots.insert(list(range(size)), jobs, [j.prompt for j in jobs], [0] * size, 64)
-            slots.step()
-            slots.step()  # on a mesh XLA may return the state sharded otherwise: its program, compiled here too
+            for tier in slots.autopilot.tiers if slots.autopilot else [None]:  # method="auto": each tier's calls
+                slots.step(tier=tier)
+                slots.step(tier=tier)  # on a mesh XLA may return the state sharded otherwise: compiled here too
             if size >= self.max_batch:
                 return
             size = min(2 * size, self.max_batch)
@@ -174,8 +178,8 @@ class Engine:
         method, options, temperature, top_p, exact = first.settings
         size = min(self.max_batch, _bucket(len(alike), 1))  # every row costs a round's compute, used or not
         new = _bucket(max(j.max_tokens for j in alike), MAX_TOKENS_DEFAULT)
-        nodes = 0 if method == "ar" else _speculative_setup(self.bundle, method, dict(options), temperature > 0, size,
-                                                            self.parameters)[1]
+        nodes = tree_nodes(self.bundle, method, dict(options), sampled=temperature > 0, batch=size,
+                           parameters=self.parameters)
         longest = max(_bucket(len(j.prompt), 64) for j in alike)
         new = min(new, max(first.max_tokens, self.context - longest - nodes))  # the context bounds the bucket
         context = min(self.context, _bucket(longest + new + nodes, 256))
@@ -207,7 +211,7 @@ def _messages(body: dict) -> list[dict]:
 class Server:
     """The routes over an `Engine`: `app` is the ASGI application."""
 
-    def __init__(self, bundle, *, model_name: str | None = None, method: str = "weaver", max_batch: int = 8,
+    def __init__(self, bundle, *, model_name: str | None = None, method: str = "auto", max_batch: int = 8,
                  max_queue: int = 64, context: int | None = None, api_key: str | None = None, start: bool = True,
                  warmup: tuple[float, ...] = (), **method_options):
         """warmup: temperatures whose programs for `method` are compiled before the server starts (every batch
@@ -293,8 +297,8 @@ class Server:
         if len(prompt) + max_tokens > self.engine.context:
             raise RequestError(f"the prompt ({len(prompt)} tokens) and max_tokens ({max_tokens}) exceed the "
                                f"server's context of {self.engine.context} tokens", "max_tokens", status=413)
-        if method != "ar":  # the method's options are checked now, not in the generation thread
-            _speculative_setup(self.bundle, method, options, temperature > 0, 1, self.engine.parameters)
+        # the method's options are checked now, not in the generation thread
+        tree_nodes(self.bundle, method, options, sampled=temperature > 0, batch=1, parameters=self.engine.parameters)
         settings = Job.settings_of(method, options, temperature, top_p, body.get("exact", False))
         return Job(prompt, max_tokens, settings, seed, stop, asyncio.get_running_loop())
 

@@ -308,10 +308,17 @@ def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, a
         adapter = nnx.merge(adapter_graphdef, adapter_params)
         if tables is None:  # once per call, not per round
             tables = adapter.tables(target)
-    # "weaver" also needs the target's final normed state at the node that produced the root
-    hidden_ids = layer_ids + ((target.config.num_layers - 1,) if method == "weaver" else ())
     options = dict(options)
-    return _Parts(target, drafter, adapter, tables, method, options, layer_ids, hidden_ids, options["depth"], exact)
+    return _Parts(target, drafter, adapter, tables, method, options, layer_ids, layer_ids, options["depth"], exact)
+
+
+def _keeping_state(p: _Parts, root_state: jax.Array) -> _Parts:
+    """`p` reading the target's last layer too when the state carries the root's final normed state: "weaver"
+    needs it, and every tier of method="auto" keeps it for a Weaver round that may follow (`root_state [B, D]`, D
+    = 0 where no round needs it)."""
+    if not root_state.shape[-1]:
+        return p
+    return p._replace(hidden_ids=p.layer_ids + (p.target.config.num_layers - 1,))
 
 
 def _final_state(p: _Parts, hidden, index):  # [B, T, D] last-layer outputs, index [B] -> [B, D] normed
@@ -322,6 +329,8 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
              max_new_tokens) -> SpecState:
     b, t = prompts.shape
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    keeps_state = p.method == "weaver"
+    p = _keeping_state(p, jnp.zeros((b, int(keeps_state))))
     out = p.target.prefill(prompts, cache, prompt_lengths, logits_rows=(prompt_lengths - 1)[:, None],
                            hidden_layers=p.hidden_ids, exact=p.exact)
     drafter_cache = p.drafter.commit(drafter_cache, out.hidden[: len(p.layer_ids)], positions, prompt_lengths)
@@ -330,7 +339,7 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
     count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), max_new_tokens))
     return SpecState(
         rounds=jnp.int32(0), root=first,
-        root_state=_final_state(p, out.hidden, prompt_lengths - 1) if p.method == "weaver" else jnp.zeros((b, 0)),
+        root_state=_final_state(p, out.hidden, prompt_lengths - 1) if keeps_state else jnp.zeros((b, 0)),
         cache=cache, drafter_cache=drafter_cache,
         tokens=_emit(jnp.full((b, max_new_tokens), -1, jnp.int32), jnp.zeros((b,), jnp.int32), first[:, None],
                      count, max_new_tokens),
@@ -390,7 +399,7 @@ def round_noise(p: _Parts, s: SpecState, keys: jax.Array, sampling: Sampling) ->
 def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> tuple[SpecState, Tree, Acceptance]:
     """One round: draft, build the tree, verify, accept, commit. -> (state, the tree, its acceptance)."""
     b = s.root.shape[0]
-    active = ~s.done
+    p = _keeping_state(p, s.root_state)
     noise = round_noise(p, s, keys, sampling)
     tree, ancestors, verify = _propose_and_verify(p, s, noise, sampling)
     with jax.named_scope("accept"):
@@ -401,28 +410,57 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     new = jnp.take_along_axis(tree.tokens, path, axis=1)  # root first; shift: accepted then bonus
     new = jnp.concatenate([new[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     new = row_set(new, acc.length - 1, acc.bonus)
-    count, hit = _truncate(new, acc.length, eos_ids, max_new_tokens - s.num_tokens)
+    last = jnp.take_along_axis(path, (acc.length - 1)[:, None], axis=1)[:, 0]
+    return _emit_round(p, s, verify, moved, path, new, acc.length, last, eos_ids, max_new_tokens), tree, acc
+
+
+def _emit_round(p: _Parts, s: SpecState, verify: ForwardOutput, cache: KVCache, path, new, length, last, eos_ids,
+                max_new_tokens) -> SpecState:
+    """A round's end: emit `new [B, P]`'s first `length [B]` tokens (cut at EOS and at max_new_tokens), commit the
+    accepted nodes `path [B, P]` (root first; their K/V already moved in `cache`) to the target and their features
+    to the drafter, and make the last emitted token the next root (produced at node `last [B]`)."""
+    active = ~s.done
+    count, hit = _truncate(new, length, eos_ids, max_new_tokens - s.num_tokens)
     count = jnp.where(active, count, 0)
     tokens = _emit(s.tokens, s.num_tokens, new, count, max_new_tokens)
     num_tokens = s.num_tokens + count
     done = s.done | (active & hit) | (num_tokens >= max_new_tokens)
 
-    committed_positions = s.cache.lengths[:, None] + jnp.arange(p.depth + 1)[None, :]
+    committed_positions = s.cache.lengths[:, None] + jnp.arange(path.shape[1])[None, :]
     features = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in verify.hidden[: len(p.layer_ids)])
     # The root and the first count - 1 accepted nodes enter the cache; the last emitted token
     # (the bonus, unless EOS or max_new_tokens cut the round short) is the next root.
     with jax.named_scope("drafter_commit"):
         drafter_cache = p.drafter.commit(s.drafter_cache, features, committed_positions, count)
-    cache = p.target.commit(moved, verify.pending, path, count)  # a hybrid target folds its GDN states here
-    histogram = row_add(s.histogram, acc.length, active.astype(jnp.int32))
+    cache = p.target.commit(cache, verify.pending, path, count)  # a hybrid target folds its GDN states here
+    histogram = row_add(s.histogram, length, active.astype(jnp.int32))
     root = jnp.where(active, row_get(new, jnp.maximum(count - 1, 0)), s.root)
     root_state = s.root_state
-    if p.method == "weaver":  # the state of the last accepted node produced the bonus, the next root
-        last = jnp.take_along_axis(path, (acc.length - 1)[:, None], axis=1)[:, 0]
+    if root_state.shape[-1]:  # the state of the last accepted node produced the bonus, the next root
         root_state = jnp.where(active[:, None], _final_state(p, verify.hidden, last), s.root_state)
-    state = SpecState(s.rounds + 1, root, root_state, cache, drafter_cache, tokens, num_tokens, done,
-                      s.seq_rounds + active, histogram)
-    return state, tree, acc
+    return SpecState(s.rounds + 1, root, root_state, cache, drafter_cache, tokens, num_tokens, done,
+                     s.seq_rounds + active, histogram)
+
+
+def _step(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> SpecState:
+    """A round with no draft (method "ar" inside a speculative state: method="auto"'s plain tier): `ar`'s decode
+    step at the root, its token drawn with the same key, and the root's features committed to the drafter's
+    context so that a drafted round can follow."""
+    p = _keeping_state(p, s.root_state)
+    verify = p.target(s.root[:, None], s.cache.lengths[:, None], s.cache, hidden_layers=p.hidden_ids,
+                      exact=p.exact)
+    token = select(verify.logits[:, 0], keys, s.num_tokens, sampling)
+    b = token.shape[0]
+    root_only = jnp.zeros((b, 1), jnp.int32)
+    return _emit_round(p, s, verify, verify.cache, root_only, token[:, None], jnp.ones((b,), jnp.int32),
+                       root_only[:, 0], eos_ids, max_new_tokens)
+
+
+def _body(p: _Parts, keys, sampling, eos_ids, max_new_tokens):
+    """The loop's body for `p.method`: a speculative round, or `_step` for "ar"."""
+    if p.method == "ar":
+        return lambda s: _step(p, s, keys, sampling, eos_ids, max_new_tokens)
+    return lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("adapter_graphdef", "graphdef"))
@@ -490,7 +528,7 @@ def spec_advance(weights, state: SpecState, keys, halt, rounds, leave, *, weight
                    options, exact, tables)
         return advance(state._replace(done=state.done | halt), rounds, leave,
                        min(MAX_ROUNDS_PER_CALL * (p.depth + 1), max_new_tokens),
-                       lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0])
+                       _body(p, keys, sampling, eos_ids, max_new_tokens))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -76,13 +76,16 @@ class Programs:
 
     def __init__(self, static: dict, sharded: bool = False):
         self.static, self.sharded, self.compiled = static, sharded, {}
+        self.compile_seconds = 0.0  # spent looking up or compiling programs not yet kept here
 
     def __call__(self, fn, *args):
         key = (fn, *(getattr(a, "shape", None) for a in args))
         if self.sharded:
             key += tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(args))
         if key not in self.compiled:
+            t0 = time.perf_counter()
             self.compiled[key] = _generate._compiled(fn, self.static, *args)
+            self.compile_seconds += time.perf_counter() - t0
         return self.compiled[key](*args)
 
 
@@ -95,38 +98,50 @@ class Loop:
     """The chunked loop over `_generate._prepare`'s `args`, shared by `Run` and `Slots`: `start(args)` -> the
     prefilled state; `send(state, keys, halted, leave)` -> (state, the call's window), both still on the device,
     its rounds from `Pace` (calls of about `call_seconds`), the halted rows and the rounds uploaded only when they
-    change; `read(window)` -> the window on the host; `advance` both at once; `keys` the sequences' keys."""
+    change; `read(window)` -> the window on the host; `advance` both at once; `keys` the sequences' keys.
+    tiers: method="auto"'s, by name (`_auto.Tier`): a call runs the one `send` names, each its own program over
+    the one state."""
 
     def __init__(self, bundle, method: str, static: dict, args: list, rounds_per_call: int | None,
-                 call_seconds: float = CALL_SECONDS):
+                 call_seconds: float = CALL_SECONDS, tiers: list | None = None):
         from weaver_jax._speculative import spec_advance, spec_start
 
-        programs = Programs(static, bundle.mesh is not None)
+        self.programs = [Programs(static, bundle.mesh is not None)]
         if method == "ar":
-            self._start = lambda a: programs(_generate.ar_start, *a)
+            self._start = lambda a: self.programs[0](_generate.ar_start, *a)
             weights, tree = _generate.weight_leaves(args[0])
             advance = _generate.ar_advance
         else:
-            self._start = lambda a: programs(spec_start, *a)
+            self._start = lambda a: self.programs[0](spec_start, *a)
             weights, tree = _generate.weight_leaves(*args[:2], *(args[7:] or [None, None]))  # adapter, tables
             advance = spec_advance
         self.keys = batch_keys(method, args)
-        advances = Programs(static | {"weights_tree": tree}, bundle.mesh is not None)
-        self._advance = lambda s, keys, halt, n, leave: advances(advance, weights, s, keys, halt, n, leave)
+        self._advances = {}
+        for tier in tiers or [None]:
+            own = {} if tier is None else {"method": tier.method, "options": tier.options}
+            programs = Programs(static | own | {"weights_tree": tree}, bundle.mesh is not None)
+            self.programs.append(programs)
+            self._advances[tier and tier.name] = functools.partial(programs, advance, weights)
         self.bundle, self.pace = bundle, Pace(rounds_per_call, call_seconds)
         self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
         self._leave = Uploaded()
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(p.compile_seconds for p in self.programs)
 
     def start(self, args: list):
         with _generate._mesh_scope(self.bundle):
             return self._start(args)
 
-    def send(self, state, keys, halted: np.ndarray, leave: bool = False):
-        """leave: end the call once a sequence ends. On a GPU the call returns as soon as it is queued (its loop
-        runs inside a command buffer: `_generate.ASYNC_LOOP`), so the next can be sent before this one is read."""
+    def send(self, state, keys, halted: np.ndarray, leave: bool = False, tier: str | None = None,
+             rounds: int | None = None):
+        """leave: end the call once a sequence ends; tier: the tier's name (method="auto"); rounds: instead of the
+        pace's. On a GPU the call returns as soon as it is queued (its loop runs inside a command buffer:
+        `_generate.ASYNC_LOOP`), so the next can be sent before this one is read."""
         with _generate._mesh_scope(self.bundle):
-            return self._advance(state, keys, self._halt(halted), self._rounds(np.int32(self.pace.rounds)),
-                                 self._leave(np.bool_(leave)))
+            rounds = self._rounds(np.int32(rounds or self.pace.rounds))
+            return self._advances[tier](state, keys, self._halt(halted), rounds, self._leave(np.bool_(leave)))
 
     def read(self, window, adapt: bool = True) -> np.ndarray:
         """adapt=False: the call may have ended early (`leave`), so its time says nothing of the pace."""
@@ -134,8 +149,8 @@ class Loop:
         self.pace.tick(adapt)
         return window
 
-    def advance(self, state, keys, halted: np.ndarray, leave: bool = False):
-        state, window = self.send(state, keys, halted, leave)
+    def advance(self, state, keys, halted: np.ndarray, leave: bool = False, tier: str | None = None):
+        state, window = self.send(state, keys, halted, leave, tier)
         return state, self.read(window, adapt=not leave)
 
 
@@ -196,19 +211,31 @@ class Run:
 
     def __init__(self, bundle, prompts, *, method: str, max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0,
                  seed=0, eos_token_id=None, pad_to=None, exact=False, rounds_per_call: int | None = None,
-                 caches: tuple | None = None, **method_options):
+                 caches: tuple | None = None, plan=None, **method_options):
+        """plan: method="auto"'s `_auto.Plan` made before (a conversation's, whose caches are of one kind)."""
+        from weaver_jax import _auto
+
+        self.plan, self.autopilot, tiers, nodes = None, None, None, None
+        if method == "auto":  # the tiers' programs over one speculative state, unless plain decoding wins outright
+            self.plan = plan or _auto.Plan(bundle, prompts, temperature, exact, method_options)
+            method, method_options, tiers, nodes = self.plan.method, self.plan.request, self.plan.loop_tiers, \
+                self.plan.nodes
         _, static, args = _generate._prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
                                              seed, eos_token_id, method_options, pad_to=pad_to, exact=exact,
-                                             caches=caches)
+                                             caches=caches, nodes=nodes)
         self.bundle, self.method, self.static, self.real = bundle, method, static, len(prompts)
         self.max_new_tokens, self.eos_ids = max_new_tokens, static["eos_ids"]
-        self.loop = Loop(bundle, method, static, args, rounds_per_call)
+        self.loop = Loop(bundle, method, static, args, rounds_per_call, tiers=tiers)
         batch = self.loop.keys.shape[0]  # a mesh may have padded the batch
         self.halted = np.zeros((batch,), bool)
         self.done = np.zeros((batch,), bool)
         self.counts = np.zeros((batch,), np.int64)
-        self.t0 = time.perf_counter()
+        self.t0, self.compiled_before = time.perf_counter(), 0.0
         self.state = self.loop.start(args)
+        if tiers:
+            self.autopilot = self.plan.autopilot(self.loop, self.state)
+            # a first use's measurement is not the run's time
+            self.t0, self.compiled_before = time.perf_counter(), self.loop.compile_seconds
         self.seconds = 0.0
 
     def generated(self, i: int) -> list[int]:
@@ -233,31 +260,46 @@ class Run:
             for i, new in enumerate(first):
                 self._update(i, new)
             yield first[: self.real]
-            window = None if self._finished() else self._send()
-            while window is not None:
+            sent = None if self._finished() else self._send()
+            while sent is not None:
                 following = None if self._finished() else self._send()
+                window, tier, rounds = sent
                 rows = self.loop.read(window)
                 new = [[int(t) for t in row if t >= 0] if not (self.done[i] or self.halted[i]) else []
                        for i, row in enumerate(rows)]
                 for i, tokens in enumerate(new):
                     self._update(i, tokens)
+                if self.autopilot is not None:
+                    running = ~(self.done | self.halted)[: self.real]
+                    self.autopilot.observe(tier, rounds, [len(t) for t in new[: self.real]], running.tolist())
                 if any(new[: self.real]):
                     yield new[: self.real]
-                window = following
+                sent = following
         finally:  # also when the caller stops reading early (a stop string, a closed stream)
-            self.seconds = time.perf_counter() - self.t0
+            self.seconds = time.perf_counter() - self.t0 - (self.loop.compile_seconds - self.compiled_before)
+            if self.autopilot is not None:
+                self.plan.remember(self.autopilot)
 
     def _send(self):
-        self.state, window = self.loop.send(self.state, self.loop.keys, self.halted)
-        return window
+        """-> (the call's window, its tier (method="auto"), its rounds)."""
+        tier = self.autopilot and self.autopilot.next()
+        rounds = self.autopilot.rounds_per_call() if tier and not self.loop.pace.fixed else self.loop.pace.rounds
+        self.state, window = self.loop.send(self.state, self.loop.keys, self.halted, tier=tier and tier.name,
+                                            rounds=rounds)
+        return window, tier, rounds
 
     def _finished(self) -> bool:
         return bool(np.all((self.done | self.halted)[: self.real]))
 
     def stats(self, tokens: list[list[int]], finish_reasons: list[str]) -> dict:
-        """`generate`'s stats for this run's tokens (rounds as run on the device)."""
-        return _generate.run_stats(self.state, self.method, tokens, self.seconds, 0.0,
-                                   self.static, self.real, finish_reasons)
+        """`generate`'s stats for this run's tokens (rounds as run on the device); method="auto" adds `settings`
+        (`_auto.Autopilot.settings`) instead of `options`."""
+        stats = _generate.run_stats(self.state, self.method, tokens, self.seconds, self.loop.compile_seconds,
+                                    self.static, self.real, finish_reasons)
+        if self.plan is not None:
+            stats.pop("options", None)
+            stats["settings"] = self.autopilot.settings() if self.autopilot else self.plan.settings()
+        return stats
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -276,6 +318,13 @@ class Slots:
 
     def __init__(self, bundle, size: int, *, method: str, max_new_tokens: int, context: int, temperature=0.0,
                  top_k=0, top_p=1.0, exact=False, rounds_per_call: int | None = None, **method_options):
+        from weaver_jax import _auto
+
+        self.plan = self.autopilot = tiers = self.nodes = None
+        if method == "auto":  # the rows share each call's tier (`Run`)
+            self.plan = _auto.Plan(bundle, [[0]] * size, temperature, exact, method_options)
+            method, method_options, tiers, self.nodes = self.plan.method, self.plan.request, self.plan.loop_tiers, \
+                self.plan.nodes
         self.bundle, self.size, self.method, self.context = bundle, size, method, context
         self.splits = _generate.split_models(bundle, method)  # the weights do not change while slots run
         self.settings = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -284,9 +333,11 @@ class Slots:
         budget = dict(self.static.get("options", ())).get("budget")
         if budget is not None:  # an insert prepares a batch of one: the default budget would be one's, not ours
             self.settings["method_options"] = method_options | {"budget": budget}
-        self.loop = Loop(bundle, method, self.static, args, rounds_per_call, SLOT_CALL_SECONDS)
+        self.loop = Loop(bundle, method, self.static, args, rounds_per_call, SLOT_CALL_SECONDS, tiers=tiers)
         self.keys = self.loop.keys
         state = self.loop.start(args)
+        if tiers:
+            self.autopilot = self.plan.autopilot(self.loop, state)
         self.state = state._replace(done=jnp.ones_like(state.done))  # every row free
         self.occupant: list = [None] * size
         self.halted = np.ones((size,), bool)
@@ -298,7 +349,7 @@ class Slots:
         _, static, args = _generate._prepare(self.bundle, prompts, s["method"], s["max_new_tokens"],
                                              s["temperature"], s["top_k"], s["top_p"], seeds, None,
                                              s["method_options"], pad_to=pad_to, exact=s["exact"],
-                                             cache_size=self.context, splits=self.splits)
+                                             cache_size=self.context, splits=self.splits, nodes=self.nodes)
         return static, args
 
     def free(self) -> list[int]:
@@ -324,15 +375,23 @@ class Slots:
         """Row `row`'s sequence has ended (or its client has gone): the row stops and is free for the next."""
         self.occupant[row], self.halted[row] = None, True
 
-    def step(self, leave: bool = False) -> list[tuple[object, list[int]]]:
+    def step(self, leave: bool = False, tier=None) -> list[tuple[object, list[int]]]:
         """Run a call (with `leave`, one that ends once a sequence ends: requests wait for a row); -> what it
         emitted: (occupant, new tokens) per row it ran for (a row inserted since the last call opens with its
-        prefill's first token)."""
+        prefill's first token). tier: method="auto"'s tier for this call instead of the autopilot's choice (a
+        server's warm-up compiles every tier)."""
         firsts, self._first = self._first, {}
         opened = [(self.occupant[row], [int(np.asarray(tokens)[j, 0])]) for row, (tokens, j) in firsts.items()]
         occupants = list(self.occupant)
-        self.state, window = self.loop.advance(self.state, self.keys, self.halted, leave)
-        return opened + [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
+        tier = tier or (self.autopilot and self.autopilot.next())
+        rounds = self.autopilot and int(self.state.rounds)
+        self.state, window = self.loop.advance(self.state, self.keys, self.halted, leave, tier=tier and tier.name)
+        emitted = [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
+        if self.autopilot is not None and emitted:  # the rows still running after the call ran every round of it
+            done = np.asarray(self.state.done)
+            running = [not done[i] for i, o in enumerate(occupants) if o is not None]
+            self.autopilot.observe(tier, int(self.state.rounds) - rounds, [len(t) for _, t in emitted], running)
+        return opened + emitted
 
 
 def check_stop(stop, tokenizer) -> tuple[str, ...]:
@@ -393,11 +452,12 @@ def stream(bundle, prompt: Sequence[int], *, max_new_tokens: int, method: str = 
     return TokenStream(run, Text(bundle.tokenizer, stop))
 
 
-def generate_with_stop(bundle, prompts, *, stop, max_new_tokens: int, method: str, **options):
-    """`generate` with stop strings: the chunked loop, each sequence halted once its text holds one."""
+def generate_chunked(bundle, prompts, *, stop, max_new_tokens: int, method: str, **options):
+    """`generate` through the chunked loop (`Run`): with stop strings (each sequence halted once its text holds
+    one) or method="auto" (tiers chosen call by call)."""
     stop = check_stop(stop, bundle.tokenizer)
     run = Run(bundle, prompts, method=method, max_new_tokens=max_new_tokens, **options)
-    texts = [Text(bundle.tokenizer, stop) for _ in prompts]
+    texts = [Text(bundle.tokenizer if stop else None, stop) for _ in prompts]
     for new in run:
         for i, tokens in enumerate(new):
             if not texts[i].stopped:

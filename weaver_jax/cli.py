@@ -2,7 +2,8 @@
 
     weaver-jax generate "What is the capital of France?" --max-new-tokens 64
     weaver-jax generate --ids 1,4093,198 --model path/to/model.gguf --json
-    weaver-jax chat --method weaver                   # a chat in the terminal, answers streamed
+    weaver-jax chat                                   # a chat in the terminal, answers streamed
+    weaver-jax tune                                   # time method="auto"'s tiers on this device (once)
     weaver-jax serve --port 8000                      # OpenAI-compatible: /v1/chat/completions, /v1/completions
 
 Training a drafter and an adapter for a target (each step resumes where an interrupted run stopped):
@@ -25,6 +26,8 @@ from pathlib import Path
 from flax import nnx
 
 import weaver_jax
+
+METHODS = ["auto", "ar", "dflash", "ddtree", "weaver"]
 
 
 def _generate(args) -> int:
@@ -68,7 +71,22 @@ def _generate(args) -> int:
 
 
 def _method_options(args) -> dict:
+    if args.budget is not None and args.method not in ("ddtree", "weaver"):
+        raise SystemExit(f"error: --budget is a tree's size: it needs --method ddtree or weaver, not {args.method}")
     return {} if args.budget is None else {"budget": args.budget}
+
+
+def _tune(args) -> int:
+    from weaver_jax._auto import cost_file, tune
+
+    bundle = weaver_jax.load(args.model, dtype=args.dtype)
+    rows = tune(bundle, batch_sizes=args.batch, temperatures=args.temperature, exact=args.exact)
+    for row in rows:
+        times = ", ".join(f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in row["round_ms"].items())
+        print(f"B = {row['batch']}, T = {row['temperature']:g}: ms per round {times}; fastest at the prior "
+              f"acceptance: {row['fastest']} ({row['seconds']} s)")
+    print(f"kept in {cost_file()}")
+    return 0
 
 
 def _chat(args) -> int:
@@ -323,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompt", nargs="?", help="prompt text (chat-templated unless --raw)")
     g.add_argument("--ids", help="comma-separated prompt token ids instead of text")
     g.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf file or HF directory")
-    g.add_argument("--method", default="ar", choices=["ar", "dflash", "ddtree", "weaver"])
+    g.add_argument("--method", default="auto", choices=METHODS, help="auto: chosen per call from this device's "
+                   "measured round times (weaver-jax tune) and the running acceptance")
     g.add_argument("--budget", type=int, help="the tree's nodes (ddtree, weaver; default: the method's)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -338,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("chat", help="a multi-turn chat in the terminal (the conversation's KV cache kept)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf file or HF directory")
-    p.add_argument("--method", default="weaver", choices=["ar", "dflash", "ddtree", "weaver"])
+    p.add_argument("--method", default="auto", choices=METHODS)
     p.add_argument("--budget", type=int, help="the tree's nodes (ddtree, weaver; default: the method's)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per answer")
     p.add_argument("--context", type=int, help="the conversation's tokens (default: the model's, at most 4096)")
@@ -351,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf file or HF directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--method", default="weaver", choices=["ar", "dflash", "ddtree", "weaver"],
+    p.add_argument("--method", default="auto", choices=METHODS,
                    help="the default method (a request may name its own, or send speculative: false)")
     p.add_argument("--budget", type=int, help="the default method's tree budget")
     p.add_argument("--max-batch", type=int, default=8, help="requests run together at most (the batch's slots)")
@@ -362,6 +381,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, nargs="*", default=[0.0, 1.0], metavar="TEMPERATURE",
                    help="compile the default method's programs for these temperatures before serving (every batch "
                         "size; default 0 and 1, OpenAI's default; none: compile on first use)")
+
+    p = sub.add_parser("tune", help="measure each method=auto tier's round time on this device (kept on disk)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf file or HF directory")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes (each a bucket: the next "
+                   "power of two)")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0],
+                   help="greedy (0) and sampled (> 0) rounds are timed apart")
+    p.add_argument("--exact", action="store_true", help="time exact mode's rounds")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
 
     p = sub.add_parser("train-prompts", help="CPU: the training prompt mix and the evaluation prompt sets")
     p.add_argument("out", help="directory for prompts.json and eval_prompts.json")
@@ -418,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-dtype", choices=["float32", "bfloat16"], default="bfloat16")
 
     args = parser.parse_args(argv)
-    commands = {"generate": _generate, "chat": _chat, "serve": _serve, "train-prompts": _train_prompts,
+    commands = {"generate": _generate, "chat": _chat, "serve": _serve, "tune": _tune, "train-prompts": _train_prompts,
                 "train-data": _train_data, "train-drafter": _train_drafter, "train-adapter": _train_adapter,
                 "train-export": _train_export}
     try:

@@ -1,0 +1,126 @@
+"""method="auto": tiers switched at call boundaries emit `ar`'s tokens; round times measured once and kept."""
+
+import json
+
+import pytest
+
+import weaver_jax as wj
+from weaver_jax import _auto
+from weaver_jax._generate import split, target_parameters
+
+from .test_stream import NEW, PROMPT, bundle
+
+PROMPTS = [PROMPT, PROMPT[:3]]  # a ragged batch
+
+
+@pytest.fixture
+def costs(tmp_path, monkeypatch):
+    """A cost file of the test's own; -> keep(round ms by tier name, sampled, batch) writes into it."""
+    path = tmp_path / "auto_costs.json"
+    monkeypatch.setattr(_auto, "cost_file", lambda: path)
+
+    def keep(ms: dict, sampled: bool = False, batch: int = 2, tiers=None):
+        made = tiers_of(sampled, batch, tiers)
+        _auto.keep_costs(bundle(), made, {t.name: ms[t.method] for t in made}, sampled=sampled, exact=False,
+                         batch=batch)
+        return path
+
+    return keep
+
+
+def tiers_of(sampled=False, batch=2, requested=None):  # batch: len(PROMPTS)
+    return _auto.tiers(bundle(), requested, sampled=sampled, batch=batch,
+                       parameters=target_parameters(split(bundle().target)[1]))
+
+
+@pytest.fixture
+def cycling(monkeypatch):
+    """Every call of method="auto" switches tier: weaver, ar, dflash, weaver, ..."""
+    order = ["weaver", "ar", "dflash"]
+
+    def next_tier(self):
+        self.current = next(t for t in self.tiers if t.method == order[self.calls % len(order)])
+        self.calls += 1
+        return self.current
+
+    monkeypatch.setattr(_auto.Autopilot, "next", next_tier)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_switching_tiers_every_call_emits_what_ar_emits(costs, cycling, temperature):
+    """Greedy tokens equal `ar`'s and sampled ones are seed-identical to it across switches in both directions
+    (plain steps between drafted rounds: the drafter's context and Weaver's root state stay in step)."""
+    costs({"ar": 1.0, "dflash": 1.5, "weaver": 2.0}, sampled=temperature > 0)
+    options = dict(max_new_tokens=NEW, temperature=temperature, seed=3)
+    got = wj.generate(bundle(), PROMPTS, method="auto", **options)
+    assert got.tokens == wj.generate(bundle(), PROMPTS, method="ar", **options).tokens
+    settings = got.stats["settings"]
+    assert settings["tiers"] == ["ar", "dflash", "weaver-24"] and not settings["measured_now"]
+    assert all(settings["rounds"][name] > 0 for name in settings["tiers"]), settings["rounds"]
+    assert got.stats["new_tokens"] == sum(map(len, got.tokens)) and "options" not in got.stats
+
+
+def test_first_use_measures_round_times_and_later_calls_read_them(costs, monkeypatch):
+    path = costs({"ar": 1.0, "dflash": 1.0, "weaver": 1.0})
+    path.unlink()
+    options = dict(max_new_tokens=NEW, seed=3)
+    first = wj.generate(bundle(), PROMPTS, method="auto", **options)
+    settings = first.stats["settings"]
+    assert settings["measured_now"] and settings["round_ms"]["ar"] > 0
+    kept = json.loads(path.read_text())
+    assert all(_auto.cost_key(bundle(), t, sampled=False, exact=False, batch=2) in kept for t in tiers_of())
+    monkeypatch.setattr(_auto, "measure", lambda *a: pytest.fail("measured again"))
+    again = wj.generate(bundle(), PROMPTS, method="auto", **options)
+    assert again.tokens == first.tokens == wj.generate(bundle(), PROMPTS, **options).tokens
+    assert not again.stats["settings"].get("measured_now")
+
+
+def test_plain_decoding_runs_outright_when_drafting_cannot_pay(costs):
+    """Round times that no acceptance repays: `ar`'s own program, for `generate` and `stream` alike."""
+    costs({"ar": 1.0, "dflash": 30.0, "weaver": 40.0}, batch=1)
+    got = wj.generate(bundle(), [PROMPT], method="auto", max_new_tokens=NEW)
+    assert got.stats["settings"]["plain_program"] and "mean_accepted_length" not in got.stats
+    assert got.tokens == wj.generate(bundle(), [PROMPT], max_new_tokens=NEW).tokens
+    s = wj.stream(bundle(), PROMPT, method="auto", max_new_tokens=NEW)
+    assert [t for c in s for t in c.tokens] == got.tokens[0] and s.stats["settings"]["start"] == "ar"
+
+
+def test_the_autopilot_follows_acceptance_and_tries_drafting_again():
+    ar, dflash, weaver = tiers_of(batch=1)
+    pilot = _auto.Autopilot([ar, dflash, weaver], {"ar": 1.0, "dflash": 1.6, "weaver-24": 2.0}, False, False)
+    rounds = []
+    for _ in range(3):
+        assert pilot.next() is weaver  # the prior: τ 3.7 / 2.0 beats 2.78 / 1.6 and 1 / 1
+        rounds.append(pilot.rounds_per_call())
+    assert rounds == [2, 4, 8]
+    for _ in range(2):  # two chunks at τ 1.125 (the sequence that ended is left out)
+        pilot.observe(weaver, 8, [9, 30], [True, False])
+    assert pilot.next() is ar and pilot.switches[-1] == {"call": 3, "from": "weaver-24", "to": "ar",
+                                                          "predicted_tau": 1.0}
+    calls = 0
+    while pilot.next() is ar:  # plain chunks say nothing of the drafts: the prior comes back, drafting is retried
+        pilot.observe(ar, 8, [8], [True])
+        calls += 1
+    assert 0 < calls < 100 and pilot.current is not ar
+    for _ in range(4):  # the text turns predictable: the larger tree pays
+        pilot.observe(pilot.current, 8, [8 * 5], [True])
+        pilot.next()
+    assert pilot.current is weaver and pilot.learned() > 1.0
+    settings = pilot.settings()
+    assert settings["start"] == "weaver-24" and settings["rounds"]["ar"] == 8 * calls
+
+
+def test_auto_options_are_checked():
+    b = bundle()
+    with pytest.raises(TypeError, match="method 'auto' takes only the options tiers"):
+        wj.generate(b, [PROMPT], method="auto", max_new_tokens=4, budget=8)
+    with pytest.raises(ValueError, match="tiers must be a list"):
+        wj.generate(b, [PROMPT], method="auto", max_new_tokens=4, tiers="weaver")
+    with pytest.raises(ValueError, match="a tier's method must be"):
+        wj.generate(b, [PROMPT], method="auto", max_new_tokens=4, tiers=[{"method": "beam"}])
+    with pytest.raises(ValueError, match="different depths"):
+        wj.generate(b, [PROMPT], method="auto", max_new_tokens=4, tiers=[{"method": "dflash", "depth": 2},
+                                                                          {"method": "weaver", "depth": 3}])
+    plain = wj.testing.random_bundle(0, drafter=False)  # nothing to draft with: plain decoding, nothing measured
+    got = wj.generate(plain, [PROMPT], method="auto", max_new_tokens=4)
+    assert got.stats["settings"]["tiers"] == ["ar"] and got.stats["settings"]["plain_program"]
