@@ -1,11 +1,10 @@
 """`make demo`: SmolLM2-135M-Instruct with its shipped drafter and Weaver adapter, on the machine's
-fastest device and with the method measured fastest there.
+fastest device, with `method="auto"` against plain decoding (`method="ar"`).
 
-On a GPU: plain decoding (`method="ar"`) against Weaver at its defaults, both texts, τ and tokens/s.
-On a CPU, plain decoding is the fastest method (BENCHMARKS.md, `bench/cpu_methods.py`: every
-speculative round costs at least 1.5 decode steps of compute there, more than τ repays), so the
-demo times `ar` only; it also runs Weaver to show that its text is the same and how many tokens each
-target pass emitted, and says what an H200 gives.
+"auto" picks the method from this device's round times (measured on first use and kept) and the running
+acceptance: on a GPU it speculates (Weaver or the chain); on a CPU every drafted round costs about three
+decode steps, more than τ repays (BENCHMARKS.md, `bench/cpu_methods.py`), so it decodes plainly there. The
+demo prints both texts' agreement, tokens/s, what "auto" chose, and says what an H200 gives.
 """
 
 from __future__ import annotations
@@ -30,22 +29,26 @@ def main():
           f"in {time.perf_counter() - t0:.1f}s\n\nuser: {PROMPT}")
     ids = bundle.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
     results = {method: weaver_jax.generate(bundle, [ids], method=method, max_new_tokens=128)
-               for method in ("ar", "weaver")}
-    ar, weaver = results["ar"], results["weaver"]
-    print(f"\n[ar] {bundle.tokenizer.decode(ar.tokens[0], skip_special_tokens=True)}")
-    speed = f"{ar.stats['new_tokens']} tokens at {ar.stats['tokens_per_second']:.1f} tokens/s"
-    tau = weaver.stats["mean_accepted_length"]
-    if gpu:
-        ratio = weaver.stats["tokens_per_second"] / ar.stats["tokens_per_second"]
-        print(f"  {speed}\n\n[weaver] {bundle.tokenizer.decode(weaver.tokens[0], skip_special_tokens=True)}\n"
-              f"  {weaver.stats['tokens_per_second']:.1f} tokens/s: {ratio:.2f}x ar, {tau:.2f} tokens per target pass"
-              f"\n\nidentical texts: {ar.tokens == weaver.tokens}")
+               for method in ("ar", "auto")}
+    ar, auto = results["ar"], results["auto"]
+    print(f"\n[ar] {bundle.tokenizer.decode(ar.tokens[0], skip_special_tokens=True)}\n"
+          f"  {ar.stats['new_tokens']} tokens at {ar.stats['tokens_per_second']:.1f} tokens/s "
+          f"(compile {ar.stats['compile_seconds']:.1f}s not counted)")
+    settings = auto.stats["settings"]
+    if settings.get("plain_program"):
+        chose = "plain decoding's own program (no drafting tier pays here)"
     else:
-        print(f"  {speed} (greedy, CPU: the fastest method here; compile {ar.stats['compile_seconds']:.1f}s not "
-              f"counted)\n\n[weaver] identical text: {ar.tokens == weaver.tokens}, {tau:.2f} tokens per target pass.\n"
-              f"  On a CPU a target pass over a tree costs compute that plain decoding does not spend, so Weaver is\n"
-              f"  slower here; {GPU_FIGURES}\n  (BENCHMARKS.md). `make demo` on a GPU machine runs there.")
-
+        switches = ", ".join(f"{s['to']} at call {s['call']}" for s in settings["switches"]) or "no switch"
+        rounds = ", ".join(f"{k} {v}" for k, v in settings["rounds"].items() if v)
+        chose = f"{settings['start']} first, {switches} (rounds: {rounds})"
+    measured = " after timing its tiers on this device (first use; kept for later calls)" * bool(
+        settings.get("measured_now"))
+    ratio = auto.stats["tokens_per_second"] / ar.stats["tokens_per_second"]
+    print(f"\n[auto] identical text: {ar.tokens == auto.tokens}; {auto.stats['tokens_per_second']:.1f} tokens/s, "
+          f"{ratio:.2f}x ar\n  chose {chose}{measured}")
+    if not gpu:
+        print(f"  On a CPU a drafted round costs compute that plain decoding does not spend; {GPU_FIGURES}\n"
+              f"  (BENCHMARKS.md). `make demo` on a GPU machine runs there.")
 
 if __name__ == "__main__":
     main()
