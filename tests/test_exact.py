@@ -11,22 +11,26 @@ import pytest
 from flax import nnx
 
 import weaver_jax
-from weaver_jax import KVCache
 from weaver_jax.testing import random_bundle
 
 from .drafters import OracleDrafter
 from .test_pallas_row_invariant import random_paths
 
 
-def test_tree_logits_equal_the_prefill_of_each_path():
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_tree_logits_equal_the_prefill_of_each_path(family):
     """A verified tree's logits at each node equal, bit for bit, the logits of a plain causal forward
-    over the prompt and that node's path; without exact mode they do not."""
-    rb = random_bundle(1, dtype="bfloat16", family="qwen3", tie_embeddings=True, drafter=False)
+    over the prompt and that node's path; without exact mode they do not. The hybrid target (Gated DeltaNet
+    layers and gated attention): its prompt prefilled token by token, each node's recurrence along its own
+    path, and the forward over a whole path (a chain of one node per token) agree too."""
+    hybrid = {"layer_types": ("linear_attention", "full_attention")} if family == "qwen3_5" else {}
+    rb = random_bundle(1, dtype="bfloat16", family=family, tie_embeddings=True, drafter=False, **hybrid)
     target, rng = rb.target, np.random.default_rng(0)
-    prompt = rng.integers(0, 128, 21)
+    vocab = rb.config.vocab_size
+    prompt = rng.integers(0, vocab, 21)
     paths, attend = random_paths(rng, 12)
     attend = attend[None]
-    tokens = rng.integers(0, 128, len(paths))
+    tokens = rng.integers(0, vocab, len(paths))
     depth = np.array([len(p) - 1 for p in paths])
     width = len(prompt) + depth.max() + 1  # each path's prefill padded after its end: one batch of them
     ids = np.zeros((len(paths), width), np.int32)
@@ -38,10 +42,9 @@ def test_tree_logits_equal_the_prefill_of_each_path():
     @functools.partial(jax.jit, static_argnames="exact")
     def prefilled(params, prompt, tokens, positions, attend, ids, rows, exact):
         model = nnx.merge(graphdef, params)
-        cache = model(prompt, jnp.arange(prompt.shape[1])[None], KVCache.init(rb.config, 1, 64), exact=exact).cache
-        cache = cache.with_lengths(jnp.full((1,), prompt.shape[1]))
+        cache = model.prefill(prompt, model.init_cache(1, 64), jnp.full((1,), prompt.shape[1]), exact=exact).cache
         tree = model(tokens, positions, cache, attend, exact=exact).logits[0]
-        alone = model(ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), KVCache.init(rb.config, *ids.shape),
+        alone = model(ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), model.init_cache(*ids.shape),
                       logits_rows=rows, exact=exact).logits[:, 0]
         return tree, alone
 
@@ -51,6 +54,22 @@ def test_tree_logits_equal_the_prefill_of_each_path():
     np.testing.assert_array_equal(tree, alone)
     tree, alone = prefilled(*args, exact=False)
     assert np.any(tree != alone)  # the default mode's rounding depends on the rows: the test can tell
+
+
+def test_exact_mode_on_a_hybrid_target_is_bitwise_autoregressive():
+    """A Gated DeltaNet target in bfloat16 (one GDN layer: the gated attention's exact mode is the tree test's),
+    ragged batch, an oracle drafter (the default mode's greedy continuation): the chain's greedy and seeded sampled
+    output token for token `ar`'s (each accepted path stepped into the recurrent state as decode steps would)."""
+    rb = random_bundle(2, family="qwen3_5", dtype="bfloat16", drafter=False, layer_types=("linear_attention",))
+    bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4))
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3]]
+    for sampling in [{}, dict(temperature=0.8, seed=[2, 7, 1])]:
+        ar = weaver_jax.generate(bundle, prompts, max_new_tokens=12, eos_token_id=[], exact=True, **sampling)
+        spec = weaver_jax.generate(bundle, prompts, method="dflash", max_new_tokens=12, eos_token_id=[],
+                                   exact=True, **sampling)
+        assert spec.tokens == ar.tokens, sampling
+        # paths of several nodes folded (the oracle proposes greedy tokens: sampling takes fewer)
+        assert spec.stats["mean_accepted_length"] > (1.0 if sampling else 3.0), spec.stats
 
 
 @pytest.mark.parametrize("method,options", [("dflash", {}), ("ddtree", {"budget": 8}), ("weaver", {"budget": 8})])

@@ -42,7 +42,7 @@ def sse(response) -> list:
 
 def test_chat_and_completions_are_generates_text_streamed_or_not():
     b = bundle()
-    client = TestClient(Server(b, model_name="tiny").app)
+    client = TestClient(Server(b, model_name="tiny", method="weaver").app)  # (auto: the batching test's)
     assert client.get("/health").json() == {"status": "ok"}
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
 

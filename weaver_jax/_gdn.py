@@ -16,6 +16,12 @@ only the accepted path is folded into H0 afterwards (`fold`). A chain is a tree:
 the same form chunk by chunk (`gated_delta_chunked`). Only ratios exp(prefix_i - prefix_j) along a path
 appear, never a division by a small cumulative decay.
 
+Exact mode (`exact=True`) computes each node instead by the recurrence itself, one token at a time along its
+own path from the committed state (`gated_delta_exact`), with every sum over d_k a `pairwise_sum` (elementwise
+adds in a fixed order): a node's numbers are then those of the decode steps that would have produced it, bit
+for bit, and a commit repeats the accepted path's steps (`fold_exact`). It costs a state per node and depth
+steps per node; the prefill runs the same step token by token (`gated_delta_sequential`).
+
 The causal depthwise conv before the rule reads, for each node, its own path's inputs and then the
 committed conv state (`conv_tree`). `GatedDeltaNet` is the Qwen3.5 layer around both: `prefill`
 (ragged, committed at once), a tree forward that touches no state, and `commit` of the accepted path.
@@ -32,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from weaver_jax._model import causal_attend, split_grouped
+from weaver_jax._model import causal_attend, dense, pairwise_sum, split_grouped
 from weaver_jax.pallas_kernels import interpret, kernels_enabled
 
 
@@ -121,6 +127,75 @@ def gated_delta_step(q, k, v, g, beta, state) -> tuple[jax.Array, jax.Array]:
     return jnp.einsum("bhd,bhde->bhe", q, s, precision="highest")[:, None], s
 
 
+class StepTerms(NamedTuple):
+    """Exact mode's pending terms: each node's rule inputs per value head, for `fold_exact`."""
+
+    k: jax.Array  # [B, H_v, T, d_k] float32
+    v: jax.Array  # [B, H_v, T, d_v]
+    g: jax.Array  # [B, H_v, T]
+    beta: jax.Array  # [B, H_v, T]
+
+
+def _sum_keys(x) -> jax.Array:
+    """`[..., d_k, d_v] -> [..., d_v]`: the sum over d_k as a `pairwise_sum` (the same order at any shape)."""
+    return pairwise_sum(jnp.swapaxes(x, -1, -2))[..., 0]
+
+
+def exact_step(s, k, v, g, beta) -> jax.Array:
+    """`gated_delta_step`'s update with its sum a `_sum_keys`: s `[..., d_k, d_v]`, k `[..., d_k]`, v `[..., d_v]`,
+    g and beta `[...]` -> the new state. Elementwise operations only, so a token's state is the same bits in
+    any batch of states."""
+    s = jnp.exp(g)[..., None, None] * s
+    u = beta[..., None] * (v - _sum_keys(k[..., :, None] * s))
+    return s + k[..., :, None] * u[..., None, :]
+
+
+def gated_delta_exact(q, k, v, g, beta, state, path) -> tuple[jax.Array, StepTerms]:
+    """Exact mode's tree: every node's output by `exact_step` along its own path (`path [B, T, T]`: the node at
+    each depth of node i's path, -1 past it, `weaver_jax._model.position_path`) from `state`, a state per node.
+    -> (outputs `[B, T, H_v, d_v]` float32, the terms `fold_exact` reads)."""
+    q, k, v, g, beta = _per_value_head(q, k, v, g, beta)  # [B, H, T, ...]
+    b, _, t = g.shape
+    rows = jnp.arange(b)[:, None]
+    by_node = [jnp.moveaxis(x, 2, 1) for x in (k, v, g, beta)]  # [B, T, H, ...]
+
+    def along(j, s):  # every node's state after the node at depth j of its path
+        at = path[:, :, j]
+        stepped = exact_step(s, *(x[rows, jnp.maximum(at, 0)] for x in by_node))
+        return jnp.where((at >= 0)[:, :, None, None, None], stepped, s)
+
+    s = jnp.broadcast_to(state.astype(jnp.float32)[:, None], (b, t, *state.shape[1:]))
+    s = jax.lax.fori_loop(0, jnp.max(jnp.sum(path >= 0, axis=-1)), along, s)
+    return _sum_keys(jnp.moveaxis(q, 2, 1)[..., :, None] * s), StepTerms(k, v, g, beta)
+
+
+def fold_exact(state, terms: StepTerms, path_nodes, length) -> jax.Array:
+    """Exact mode's commit: the accepted path's first `length [B]` nodes of `path_nodes [B, P]` (root first)
+    stepped into `state` one by one - the operations the tree ran for its last node, and a decode step for each."""
+    rows = jnp.arange(state.shape[0])
+
+    def along(j, s):
+        node = path_nodes[:, j]
+        stepped = exact_step(s, *(x[rows, :, node] for x in terms))
+        return jnp.where((j < length)[:, None, None, None], stepped, s)
+
+    return jax.lax.fori_loop(0, jnp.max(length), along, state)
+
+
+def gated_delta_sequential(q, k, v, g, beta, state) -> tuple[jax.Array, jax.Array]:
+    """Exact mode's prefill: `exact_step` token by token (beta and g zero: a token that writes nothing). ->
+    (outputs `[B, T, H_v, d_v]` float32, the final state)."""
+    q, k, v, g, beta = (jnp.moveaxis(x, 2, 0) for x in _per_value_head(q, k, v, g, beta))  # [T, B, H, ...]
+
+    def step(s, xs):
+        q_t, *rest = xs
+        s = exact_step(s, *rest)
+        return s, _sum_keys(q_t[..., :, None] * s)
+
+    state, out = jax.lax.scan(step, state.astype(jnp.float32), (q, k, v, g, beta))
+    return jnp.moveaxis(out, 0, 1), state
+
+
 def conv_tree(x, conv_state, weight, path, depth, bias=None) -> jax.Array:
     """The causal depthwise conv of width W (then SiLU) for every node: x `[B, T, C]` the nodes'
     inputs, conv_state `[B, C, W - 1]` the committed inputs (oldest first), weight `[C, W]` (tap W - 1
@@ -165,13 +240,14 @@ class GDNState(NamedTuple):
 class GDNPending(NamedTuple):
     """What a tree forward leaves for `GatedDeltaNet.commit`: the tree terms and the conv inputs."""
 
-    terms: TreeTerms
+    terms: TreeTerms | StepTerms
     conv_inputs: jax.Array  # [B, T, C]
 
 
-def l2_normalize(x, eps: float = 1e-6):
+def l2_normalize(x, eps: float = 1e-6, exact: bool = False):
     x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    squares = pairwise_sum(x * x) if exact else jnp.sum(x * x, axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(squares + eps)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -211,51 +287,61 @@ class GatedDeltaNet(nnx.Module):
         segments = (h_k * d_k, h_k * d_k, h_v * d_v)
         return {"in_qkv": (segments, -1), "conv": (segments, 0)}
 
-    def _inputs(self, x, mixed_conv):
+    def _inputs(self, x, mixed_conv, exact: bool = False):
         """-> q, k `[B, T, H_k, d_k]` (normalised, q scaled), v `[B, T, H_v, d_v]`, g, beta `[B, T, H_v]`."""
         h_k, h_v, d_k, d_v = self.heads
         b, t, _ = x.shape
         q, k, v = split_grouped(mixed_conv, self.fused()["in_qkv"][0], self.groups)
-        q = l2_normalize(q.reshape(b, t, h_k, d_k)) * d_k ** -0.5
-        k = l2_normalize(k.reshape(b, t, h_k, d_k))
+        q = l2_normalize(q.reshape(b, t, h_k, d_k), exact=exact) * d_k ** -0.5
+        k = l2_normalize(k.reshape(b, t, h_k, d_k), exact=exact)
         v = v.reshape(b, t, h_v, d_v)
-        beta = jax.nn.sigmoid((x @ self.in_b[...]).astype(jnp.float32))
-        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus((x @ self.in_a[...]).astype(jnp.float32) + self.dt_bias[...])
+        beta = jax.nn.sigmoid(dense(x, self.in_b[...], exact, split="columns").astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(dense(x, self.in_a[...], exact, split="columns").astype(
+            jnp.float32) + self.dt_bias[...])
         return q, k, v, g, beta
 
-    def _output(self, x, o):
+    def _output(self, x, o, exact: bool = False):
         """The gated RMSNorm per value head and the output projection: o `[B, T, H_v, d_v]` -> `[B, T, D]`."""
         b, t, h_v, d_v = o.shape
-        z = (x @ self.in_z[...]).astype(jnp.float32).reshape(b, t, h_v, d_v)
-        o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + self.eps) * self.norm[...].astype(
-            jnp.float32) * jax.nn.silu(z)
-        return o.reshape(b, t, h_v * d_v).astype(x.dtype) @ self.out[...]
+        z = dense(x, self.in_z[...], exact, split="columns").astype(jnp.float32).reshape(b, t, h_v, d_v)
+        squares = pairwise_sum(o * o) / d_v if exact else jnp.mean(o * o, axis=-1, keepdims=True)
+        o = o * jax.lax.rsqrt(squares + self.eps) * self.norm[...].astype(jnp.float32) * jax.nn.silu(z)
+        return dense(o.reshape(b, t, h_v * d_v).astype(x.dtype), self.out[...], exact, split="rows")
 
-    def prefill(self, x, state: GDNState, lengths, chunk: int = 64) -> tuple[jax.Array, GDNState]:
+    def prefill(self, x, state: GDNState, lengths, chunk: int = 64, exact: bool = False) -> tuple[jax.Array, GDNState]:
         """A right-padded sequence `[B, T, D]` after the committed state, its first `lengths [B]` tokens
         committed (padding writes nothing: beta and g are zeroed there): -> (`[B, T, D]`, the new state)."""
         b, t, _ = x.shape
         width = self.conv.shape[1]
-        mixed = x @ self.in_qkv[...]
+        mixed = dense(x, self.in_qkv[...], exact, split="columns")
         seq = jnp.concatenate([jnp.moveaxis(state.conv, 1, 2).astype(mixed.dtype), mixed], axis=1)  # [B, W-1+T, C]
-        z = sum(seq[:, tap:tap + t].astype(jnp.float32) * self.conv[:, tap].astype(jnp.float32) for tap in range(width))
-        q, k, v, g, beta = self._inputs(x, jax.nn.silu(z))
+        z = jnp.zeros((b, t, seq.shape[2]), jnp.float32)
+        for tap in reversed(range(width)):  # the token itself first, as `conv_tree` adds them (exact mode)
+            z = z + seq[:, tap:tap + t].astype(jnp.float32) * self.conv[:, tap].astype(jnp.float32)
+        q, k, v, g, beta = self._inputs(x, jax.nn.silu(z), exact)
         real = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]
-        o, recurrent = gated_delta_chunked(q, k, v, jnp.where(real, g, 0), jnp.where(real, beta, 0), state.recurrent,
-                                           chunk)
+        g, beta = jnp.where(real, g, 0), jnp.where(real, beta, 0)
+        if exact:
+            o, recurrent = gated_delta_sequential(q, k, v, g, beta, state.recurrent)
+        else:
+            o, recurrent = gated_delta_chunked(q, k, v, g, beta, state.recurrent, chunk)
         conv = fold_conv(state.conv, mixed, jnp.broadcast_to(jnp.arange(t), (b, t)), lengths)
-        return self._output(x, o), GDNState(recurrent, conv)
+        return self._output(x, o, exact), GDNState(recurrent, conv)
 
-    def __call__(self, x, state: GDNState, depth, ancestors) -> tuple[jax.Array, GDNPending]:
+    def __call__(self, x, state: GDNState, depth, ancestors, exact: bool = False) -> tuple[jax.Array, GDNPending]:
         """Tree verification (a decode step is a tree of one node): x `[B, T, D]`, depth `[B, T]` past
         the committed state, ancestors `[B, T, T]` bool (ancestors-or-self). Every node's output along its
-        own path; the state is not touched. -> (`[B, T, D]`, what `commit` folds)."""
+        own path; the state is not touched. -> (`[B, T, D]`, what `commit` folds). exact: each node by the
+        recurrence along its path (`gated_delta_exact`), bitwise its decode steps'."""
         from weaver_jax._model import position_path
 
         b = x.shape[0]
-        mixed = x @ self.in_qkv[...]
+        mixed = dense(x, self.in_qkv[...], exact, split="columns")
         path = position_path(depth, jnp.zeros((b,), jnp.int32), ancestors)
-        q, k, v, g, beta = self._inputs(x, conv_tree(mixed, state.conv, self.conv[...], path, depth))
+        q, k, v, g, beta = self._inputs(x, conv_tree(mixed, state.conv, self.conv[...], path, depth), exact)
+        if exact:
+            o, terms = gated_delta_exact(q, k, v, g, beta, state.recurrent, path)
+            return self._output(x, o, exact), GDNPending(terms, mixed)
         # the kernel's tiles need head dims 2^k >= 16
         if kernels_enabled("tree_gdn") and all(d >= 16 and d & (d - 1) == 0 for d in self.heads[2:]):
             from weaver_jax.pallas_kernels._call import batch_heads, per_shard
@@ -278,5 +364,8 @@ class GatedDeltaNet(nnx.Module):
         t = pending.conv_inputs.shape[1]
         on = jnp.any((path_nodes[:, :, None] == jnp.arange(t)) & (jnp.arange(path_nodes.shape[1])[None, :, None]
                                                                   < length[:, None, None]), axis=1)  # [B, T]
-        return GDNState(fold(state.recurrent, pending.terms, on),
-                        fold_conv(state.conv, pending.conv_inputs, path_nodes, length))
+        if isinstance(pending.terms, StepTerms):  # exact mode
+            recurrent = fold_exact(state.recurrent, pending.terms, path_nodes, length)
+        else:
+            recurrent = fold(state.recurrent, pending.terms, on)
+        return GDNState(recurrent, fold_conv(state.conv, pending.conv_inputs, path_nodes, length))

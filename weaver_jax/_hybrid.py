@@ -18,6 +18,7 @@ sigmoid(gate) before its projection. Weights `[in, out]`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +30,19 @@ from weaver_jax._model import (
     MLP,
     ForwardOutput,
     KVCache,
+    PositionPath,
     _param,
     _write,
     apply_rope,
     causal_attend,
+    dense,
     gqa_attention,
+    pairwise_sum,
+    per_head_kernel,
+    position_path,
     visibility_mask,
 )
+from weaver_jax.pallas_kernels import interpret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +102,10 @@ class HybridCache(KVCache):
         return self.k[0].shape[1] if self.k else np.iinfo(np.int32).max
 
 
-def zero_centered_rms_norm(x, weight, eps: float):
+def zero_centered_rms_norm(x, weight, eps: float, exact: bool = False):
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * (1 + weight.astype(jnp.float32))
+    squares = pairwise_sum(x32 * x32) / x.shape[-1] if exact else jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(squares + eps) * (1 + weight.astype(jnp.float32))
     return y.astype(x.dtype)
 
 
@@ -120,18 +128,26 @@ class GatedAttention(nnx.Module):
         self.out = _param(rngs, (c.num_heads * c.head_dim, c.hidden_size), dt, c.num_heads * c.head_dim)
 
     def __call__(self, x, positions, k_cache, v_cache, mask, lengths):
+        """mask `[B, T, S]`, or a `PositionPath`: exact mode (row-invariant products and attention by position)."""
         c = self.config
         b, t, _ = x.shape
         h, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        q, gate = jnp.split((x @ self.q_gate[...]).reshape(b, t, h, 2 * d), 2, axis=-1)
-        q = partial_rope(zero_centered_rms_norm(q, self.q_norm[...], c.rms_norm_eps), positions, c)
-        k = partial_rope(zero_centered_rms_norm((x @ self.k[...]).reshape(b, t, kv, d), self.k_norm[...],
-                                                c.rms_norm_eps), positions, c)
-        v = (x @ self.v[...]).reshape(b, t, kv, d)
+        exact = isinstance(mask, PositionPath)
+        q, gate = jnp.split(dense(x, self.q_gate[...], exact, split="columns").reshape(b, t, h, 2 * d), 2, axis=-1)
+        q = partial_rope(zero_centered_rms_norm(q, self.q_norm[...], c.rms_norm_eps, exact), positions, c)
+        k = partial_rope(zero_centered_rms_norm(dense(x, self.k[...], exact, split="columns").reshape(b, t, kv, d),
+                                                self.k_norm[...], c.rms_norm_eps, exact), positions, c)
+        v = dense(x, self.v[...], exact, split="columns").reshape(b, t, kv, d)
         k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
-        o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask).reshape(b, t, h * d)
-        o = (o * jax.nn.sigmoid(gate.reshape(b, t, h * d).astype(jnp.float32))).astype(x.dtype)
-        return o @ self.out[...], k_cache, v_cache
+        if exact:
+            from weaver_jax.pallas_kernels.row_invariant import attention
+
+            o = per_head_kernel(lambda *a: attention(*a, interpret=interpret()), kv, (q, k_cache, v_cache),
+                                (positions, lengths, mask.path))
+        else:
+            o = gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask)
+        o = (o.reshape(b, t, h * d) * jax.nn.sigmoid(gate.reshape(b, t, h * d).astype(jnp.float32))).astype(x.dtype)
+        return dense(o, self.out[...], exact, split="rows"), k_cache, v_cache
 
 
 class HybridLayer(nnx.Module):
@@ -146,9 +162,9 @@ class HybridLayer(nnx.Module):
         self.mlp_norm = nnx.Param(jnp.zeros((c.hidden_size,), dt))
         self.mlp = MLP(c, rngs=rngs)  # reads hidden_size, intermediate_size, jnp_dtype
 
-    def finish(self, x, mixed):
+    def finish(self, x, mixed, exact: bool = False):
         x = x + mixed
-        return x + self.mlp(zero_centered_rms_norm(x, self.mlp_norm[...], self.eps))
+        return x + self.mlp(zero_centered_rms_norm(x, self.mlp_norm[...], self.eps, exact), exact)
 
 
 class HybridTransformer(nnx.Module):
@@ -171,43 +187,57 @@ class HybridTransformer(nnx.Module):
 
     def final_state(self, h, exact: bool = False):
         """The final norm of last-layer outputs `[..., D]` (what the LM head reads)."""
-        del exact  # signature shared with `Transformer`; exact mode is refused by the forward
-        return zero_centered_rms_norm(h, self.final_norm[...], self.config.rms_norm_eps)
+        return zero_centered_rms_norm(h, self.final_norm[...], self.config.rms_norm_eps, exact)
 
     def head(self, h, exact: bool = False):
-        """The LM head alone: `[..., D] -> [..., V]` float32."""
-        del exact
-        w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        """The LM head alone: `[..., D] -> [..., V]` float32 (exact: the row-invariant product)."""
+        tied = self.lm_head is None
+        w = self.embed[...] if tied else self.lm_head[...]
+        if exact:
+            from weaver_jax.pallas_kernels._call import per_shard_product
+            from weaver_jax.pallas_kernels.row_invariant import matmul
+
+            product = functools.partial(matmul, transpose_w=tied, interpret=interpret())
+            return per_shard_product(product, h, w, None if tied else "columns", tied)
+        return jnp.einsum("...d,dv->...v", h, w.T if tied else w, preferred_element_type=jnp.float32)
 
     def logits(self, x):
         return self.head(self.final_state(x))
 
     def _run(self, tokens, positions, cache: HybridCache, attend, hidden_layers, exact, gdn_call):
-        """The layer stack: `gdn_call(layer, x, state)` runs a GDN layer -> (out, per-layer result)."""
-        if exact:
-            raise ValueError("exact=True (the row-invariant forward) is not implemented for hybrid Gated DeltaNet "
-                             "targets; use exact=False")
+        """The layer stack: `gdn_call(layer, x, state)` runs a GDN layer -> (out, per-layer result). exact: every
+        product, norm and reduction row-invariant, attention by position (`Transformer`'s exact mode) and the GDN
+        layers' recurrence token by token (`weaver_jax._gdn`)."""
         if any(not 0 <= i < self.config.num_layers for i in hidden_layers):
             raise ValueError(f"hidden_layers {hidden_layers} outside [0, {self.config.num_layers})")
-        mask = visibility_mask(cache.lengths, attend, cache.size) if cache.k else None  # attention layers only
+        if not cache.k:  # attention layers only
+            mask = None
+        elif exact:
+            mask = PositionPath(position_path(positions, cache.lengths, attend))
+        else:
+            mask = visibility_mask(cache.lengths, attend, cache.size)
         x = jnp.take(self.embed[...], tokens, axis=0)
         ks, vs, results, hidden = list(cache.k), list(cache.v), [], {}
         a = 0
         for i, layer in enumerate(self.layers):
-            normed = zero_centered_rms_norm(x, layer.input_norm[...], layer.eps)
+            normed = zero_centered_rms_norm(x, layer.input_norm[...], layer.eps, exact)
             if layer.kind == "full_attention":
                 mixed, ks[a], vs[a] = layer.mixer(normed, positions, ks[a], vs[a], mask, cache.lengths)
                 a += 1
             else:
                 mixed, result = gdn_call(layer.mixer, normed, cache.gdn[len(results)])
                 results.append(result)
-            x = layer.finish(x, mixed)
+            x = layer.finish(x, mixed, exact)
             if i in hidden_layers:
                 hidden[i] = x
         return x, tuple(hidden[i] for i in hidden_layers), tuple(ks), tuple(vs), tuple(results)
 
-    def _output(self, x, hidden, cache, logits_rows, pending=()):
+    def _output(self, x, hidden, cache, logits_rows, pending=(), exact: bool = False):
+        if exact:  # rows picked after the norm, as `Transformer` does (what XLA fuses there stays the same)
+            x = self.final_state(x, exact=True)
+            if logits_rows is not None:
+                x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
+            return ForwardOutput(self.head(x, exact=True), hidden, cache, pending)
         if logits_rows is not None:
             x = jnp.take_along_axis(x, logits_rows[..., None], axis=1)
         return ForwardOutput(self.logits(x), hidden, cache, pending)
@@ -219,8 +249,9 @@ class HybridTransformer(nnx.Module):
         b, t = tokens.shape
         positions = cache.lengths[:, None] + jnp.arange(t)
         x, hidden, ks, vs, states = self._run(tokens, positions, cache, causal_attend(b, t), hidden_layers, exact,
-                                              lambda gdn, x, state: gdn.prefill(x, state, lengths))
-        return self._output(x, hidden, HybridCache(ks, vs, cache.lengths + lengths, states), logits_rows)
+                                              lambda gdn, x, state: gdn.prefill(x, state, lengths, exact=exact))
+        return self._output(x, hidden, HybridCache(ks, vs, cache.lengths + lengths, states), logits_rows,
+                            exact=exact)
 
     def __call__(self, tokens, positions, cache: HybridCache, attend=None, *, logits_rows=None, hidden_layers=(),
                  exact: bool = False) -> ForwardOutput:
@@ -231,8 +262,8 @@ class HybridTransformer(nnx.Module):
         attend = causal_attend(b, t) if attend is None else attend
         depth = positions - cache.lengths[:, None]
         x, hidden, ks, vs, pending = self._run(tokens, positions, cache, attend, hidden_layers, exact,
-                                               lambda gdn, x, state: gdn(x, state, depth, attend))
-        return self._output(x, hidden, dataclasses.replace(cache, k=ks, v=vs), logits_rows, pending)
+                                               lambda gdn, x, state: gdn(x, state, depth, attend, exact))
+        return self._output(x, hidden, dataclasses.replace(cache, k=ks, v=vs), logits_rows, pending, exact)
 
     def commit(self, cache: HybridCache, pending: tuple[GDNPending, ...], path, count) -> HybridCache:
         """After `__call__`, with the accepted nodes' K/V already in place (`commit_kv` or the acceptance
