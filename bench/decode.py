@@ -110,8 +110,9 @@ def floor_seconds(target, batch: int, repeats: int) -> dict:
                 floor_read=_looped_seconds(reads, jnp.float32(0), mats, 32, repeats))
 
 
-def decode_seconds(target, batch: int, context: int, cache_size: int, new_tokens: int, repeats: int):
-    """Per-token decode time inside ar_generate's loop, prefill cancelled out."""
+def decode_seconds(target, batch: int, context: int, cache_size: int, new_tokens: int, repeats: int,
+                   exact: bool = False):
+    """Per-token decode time inside ar_generate's loop, prefill cancelled out (exact: `exact=True`'s)."""
     config = target.config
     graphdef, params = nnx.split(target)
     prompts = jax.random.randint(jax.random.key(1), (batch, context), 0, config.vocab_size, jnp.int32)
@@ -120,7 +121,7 @@ def decode_seconds(target, batch: int, context: int, cache_size: int, new_tokens
 
     def run(n):
         cache = target.init_cache(batch, cache_size)
-        out = wj.ar_generate(params, cache, prompts, lengths, keys, graphdef=graphdef, max_new_tokens=n)
+        out = wj.ar_generate(params, cache, prompts, lengths, keys, graphdef=graphdef, max_new_tokens=n, exact=exact)
         return out.tokens
 
     short = statistics.median(timed(lambda: run(1), repeats))
@@ -173,6 +174,8 @@ def main():
     parser.add_argument("--cache", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--exact", action="store_true", help="also time exact mode's decode step (issue 42: "
+                        "against the default step of the same run)")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -196,6 +199,9 @@ def main():
                    tokens_per_s=b / decode, kernels_per_step=kernels, prefill_plus_one_ms=prefill * 1e3,
                    label=args.label,
                    device=jax.devices()[0].device_kind, jax=jax.__version__)
+        if args.exact:
+            exact, _ = decode_seconds(target, b, args.context, args.cache, args.new_tokens, args.repeats, exact=True)
+            row.update(exact_decode_ms=exact * 1e3, exact_over_default=exact / decode)
         rows.append(row)
         print(json.dumps(row), flush=True)
     print(f"{'shape':>13} {'B':>3} {'matvec ms':>9} {'read ms':>8} {'TB/s':>5} {'decode ms':>9} {'x floor':>7} "

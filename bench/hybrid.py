@@ -1,7 +1,8 @@
 """Issue 20 on the H200: one Gated DeltaNet layer's tree verification at the Qwen3.6-27B shape (16 key /
 48 value heads of 128), the Pallas kernel (`pallas_kernels.tree_gdn`, `block_v` value columns per program,
-products at `precision`) against its XLA form (`_gdn.gated_delta_tree`), time and error (relative to the
-XLA form at "highest"), per N nodes of a random tree of depth <= 15 (a 16-token drafter block's deepest node).
+products at `precision`) against its XLA form (`_gdn.gated_delta_tree`) and exact mode's
+(`_gdn.gated_delta_exact`), time and error (relative to the XLA form at "highest"), per N nodes of a random
+tree of depth <= 15 (a 16-token drafter block's deepest node).
 
     python bench/hybrid.py --json out.json [--nodes 17 65 129] [--batch 1 8] [--block-v 32 64]
         [--precision tf32x3 tf32 ieee]
@@ -32,6 +33,7 @@ from verify import random_tree  # noqa: E402
 
 from weaver_jax import _gdn  # noqa: E402
 from weaver_jax._hybrid import qwen3_6_27b  # noqa: E402
+from weaver_jax._model import position_path  # noqa: E402
 from weaver_jax.pallas_kernels import interpret  # noqa: E402
 from weaver_jax.pallas_kernels.tree_gdn import PRECISIONS, tree_gdn  # noqa: E402
 
@@ -57,7 +59,11 @@ def gdn_seconds(config, batch: int, nodes: int, block_vs: list[int], precisions:
     """One GDN layer's tree verification, XLA form against the kernel, the state carried."""
     *heads, state, ancestors = random_inputs(config, batch, nodes)
     inputs = (*heads, ancestors)
+    depth = ancestors.sum(-1, dtype=jnp.int32) - 1
+    path = position_path(depth, jnp.zeros((batch,), jnp.int32), ancestors)
     forms = {"xla": lambda s, x: _gdn.gated_delta_tree(*x[:5], s, x[5])[0],
+             # exact mode's: each node by the recurrence along its path (issue 42: its cost against the above)
+             "exact": lambda s, x: _gdn.gated_delta_exact(*x[:5], s, path)[0],
              **{f"kernel_{p}_{bv}": lambda s, x, bv=bv, p=p: tree_gdn(*x[:5], s, x[5], block_v=bv, precision=p,
                                                                       interpret=interpret())[0]
                 for bv in block_vs for p in precisions}}
