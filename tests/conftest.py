@@ -11,11 +11,6 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), os.environ.get(
         "WEAVER_JAX_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")]).strip()
 
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import uuid  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -43,28 +38,6 @@ def make_pair(name: str, seed: int = 0, dtype: str = "float32", **overrides):
     weights = reference.random_hf_weights(cfg, seed)
     target = weaver_jax.target_from_params(cfg, target_params_from_hf(cfg, weights))
     return cfg, weights, target
-
-
-def _xla_cache() -> Path:
-    """The run's directory: named by the controller, whose environment its workers inherit."""
-    run = os.environ.setdefault("WEAVER_JAX_TEST_RUN", uuid.uuid4().hex)
-    return Path(tempfile.gettempdir()) / f"weaver_jax_test_xla_{run}"
-
-
-def pytest_configure(config):
-    """One persistent compilation cache per test run, shared by its workers and the processes they start (notebook
-    kernels, the sharded cases): a program two tests compile the same (a shared random bundle's, the real pair's in
-    a test and a notebook) compiles once. Fresh per run, removed at its end."""
-    path = str(_xla_cache())
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
-
-
-def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput"):  # the controller, after its workers
-        shutil.rmtree(_xla_cache(), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
