@@ -27,10 +27,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-REPOSITORY = os.environ.get("WEAVER_JAX_REPOSITORY", "https://github.com/weaver-jax/weaver_jax.git")
 root = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "BENCHMARKS.md").exists()), None)
-if root is None:
-    subprocess.check_call(["git", "clone", "-q", "--depth", "1", REPOSITORY, "weaver_jax_repo"])
+if root is None:  # outside a checkout: clone the copy WEAVER_JAX_REPOSITORY names (no public address is assumed)
+    if not os.environ.get("WEAVER_JAX_REPOSITORY"):
+        raise RuntimeError("run this notebook inside a checkout of weaver_jax, or set WEAVER_JAX_REPOSITORY to a "
+                           "git URL of your copy")
+    subprocess.check_call(["git", "clone", "-q", "--depth", "1", os.environ["WEAVER_JAX_REPOSITORY"],
+                           "weaver_jax_repo"])
     root = Path("weaver_jax_repo")
 results = root / "bench" / "results"
 print(sorted(p.name for p in results.glob("*.json")))
@@ -39,7 +42,9 @@ print(sorted(p.name for p in results.glob("*.json")))
 # ## τ against budget, per method and prompt set (SmolLM2-135M-Instruct, held-out prompts)
 
 # %%
-rows = [r for path in sorted(results.glob("*_tau_*.json")) for r in json.loads(path.read_text())]
+# the files of `bench/tau.py` (older ones have no temperature: they are greedy); other *_tau_* files are skipped
+rows = [{"temperature": 0.0, **r} for path in sorted(results.glob("*_tau_*.json"))
+        for r in json.loads(path.read_text()) if isinstance(r, dict) and {"set", "method", "tau"} <= r.keys()]
 sets = ["mt_bench", "humaneval", "alpaca_heldout", "all"]
 for temperature in sorted({r["temperature"] for r in rows}):
     fig, axes = plt.subplots(1, len(sets), figsize=(4 * len(sets), 3.2), sharey=False)

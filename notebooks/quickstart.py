@@ -21,15 +21,24 @@
 # how many tokens one verification of the target emits.
 
 # %%
-# Colab or a fresh Jupyter: install weaver_jax from the repository. A no-op where it is importable (CI).
+# A fresh Jupyter or Colab: install weaver_jax from the checkout this notebook sits in, or from where
+# WEAVER_JAX_REPOSITORY points (a local path or a git URL of your copy; no public address is assumed).
+# A no-op where weaver_jax is importable (CI, `make notebooks`).
 import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-REPOSITORY = os.environ.get("WEAVER_JAX_REPOSITORY", "git+https://github.com/weaver-jax/weaver_jax.git")
 if importlib.util.find_spec("weaver_jax") is None:
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"weaver-jax[model,notebooks] @ {REPOSITORY}"])
+    checkout = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "weaver_jax" / "__init__.py").exists()), None)
+    source = os.environ.get("WEAVER_JAX_REPOSITORY") or (checkout and str(checkout))
+    if not source:
+        raise RuntimeError("weaver_jax is not installed and this notebook is not inside a checkout of it: set "
+                           "WEAVER_JAX_REPOSITORY to a local checkout or a git URL of your copy, then run this cell "
+                           "again (or `pip install 'weaver-jax[model,notebooks] @ <that>'` yourself)")
+    spec = source if "://" in source else Path(source).resolve().as_uri()
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"weaver-jax[model,notebooks] @ {spec}"])
 
 # %%
 import jax  # noqa: E402
@@ -69,16 +78,19 @@ assert results["ar"].tokens == results["weaver"].tokens
 print("identical:", results["ar"].tokens == results["weaver"].tokens)
 
 # %% [markdown]
-# ## Temperature 1: same distribution, different draws
-# Each sampled run is a valid draw from the target's distribution; the two methods use their
-# random numbers differently, so the texts differ.
+# ## Temperature 1: the same draws
+# Every method draws generated token t with the same random key, `fold_in(key(seed), t)`, so with one seed
+# Weaver samples the very tokens plain decoding samples (in float32, as here on a CPU; in bfloat16 a
+# near-tie can round differently in a tree, which `exact=True` rules out).
 
 # %% tags=["ci-skip"]
+sampled = {}
 for method, options in (("ar", {}), ("weaver", {"budget": budget})):
-    r = weaver_jax.generate(bundle, [ids], method=method, max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=1,
-                            **options)
+    sampled[method] = r = weaver_jax.generate(bundle, [ids], method=method, max_new_tokens=MAX_NEW_TOKENS,
+                                              temperature=1.0, seed=1, **options)
     tau = f", tau {r.stats['mean_accepted_length']:.2f}" if method != "ar" else ""
     print(f"--- {method}{tau}\n{bundle.tokenizer.decode(r.tokens[0], skip_special_tokens=True)}\n")
+print("same tokens:", sampled["ar"].tokens == sampled["weaver"].tokens)
 
 # %% [markdown]
 # ## Accepted lengths

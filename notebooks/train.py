@@ -24,15 +24,24 @@
 # candidates along each path, with the drafter frozen.
 
 # %%
-# Colab or a fresh Jupyter: install weaver_jax from the repository. A no-op where it is importable (CI).
+# A fresh Jupyter or Colab: install weaver_jax from the checkout this notebook sits in, or from where
+# WEAVER_JAX_REPOSITORY points (a local path or a git URL of your copy; no public address is assumed).
+# A no-op where weaver_jax is importable (CI, `make notebooks`).
 import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-REPOSITORY = os.environ.get("WEAVER_JAX_REPOSITORY", "git+https://github.com/weaver-jax/weaver_jax.git")
 if importlib.util.find_spec("weaver_jax") is None:
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"weaver-jax[model,notebooks] @ {REPOSITORY}"])
+    checkout = next((p for p in [Path.cwd(), *Path.cwd().parents] if (p / "weaver_jax" / "__init__.py").exists()), None)
+    source = os.environ.get("WEAVER_JAX_REPOSITORY") or (checkout and str(checkout))
+    if not source:
+        raise RuntimeError("weaver_jax is not installed and this notebook is not inside a checkout of it: set "
+                           "WEAVER_JAX_REPOSITORY to a local checkout or a git URL of your copy, then run this cell "
+                           "again (or `pip install 'weaver-jax[model,notebooks] @ <that>'` yourself)")
+    spec = source if "://" in source else Path(source).resolve().as_uri()
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"weaver-jax[model,notebooks] @ {spec}"])
 
 # %%
 import tempfile  # noqa: E402

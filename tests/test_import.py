@@ -172,7 +172,7 @@ def test_smollm2_ships_a_trained_drafter_and_adapter(smollm2):
     assert smollm2.adapter.config.K == 15 and smollm2.adapter.config.d_model == 576
     ids = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "List three primary colors."}])
     plain = weaver_jax.generate(smollm2, [ids], max_new_tokens=24)
-    for method, options in (("dflash", {}), ("weaver", {"budget": 16})):
+    for method, options in (("weaver", {"budget": 16}),):  # (its drafter's own chain: bench/tau.py on the GPU)
         out = weaver_jax.generate(smollm2, [ids], method=method, max_new_tokens=24, **options)
         assert out.tokens == plain.tokens, method
         assert out.stats["mean_accepted_length"] > 1.2, (method, out.stats["mean_accepted_length"])

@@ -159,10 +159,9 @@ def test_sampling_is_seed_identical_to_autoregressive(method, options, sampling,
     assert other.tokens != spec.tokens  # the seed matters
 
 
-@pytest.mark.parametrize("method,options,sampling", [
+@pytest.mark.parametrize("method,options,sampling", [  # (DDTree: its tokens are `ar`'s, seed-identical tests)
     ("dflash", {}, dict(temperature=1.0)),
-    ("weaver", {"budget": 6}, dict(temperature=1.0)),
-    ("ddtree", {"budget": 6}, dict(temperature=0.7, top_k=3, top_p=0.9)),  # filtered; unfiltered: seed-identical
+    ("weaver", {"budget": 6}, dict(temperature=0.7, top_k=3, top_p=0.9)),  # filtered
 ])
 def test_sampling_matches_the_autoregressive_distribution(method, options, sampling):
     """16000 samples of the first 3 tokens: chi-square over the 64 outcomes against the exact

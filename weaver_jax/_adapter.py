@@ -82,6 +82,15 @@ class Tables(NamedTuple):
 
 
 class Adapter(nnx.Module):
+    """The Weaver adapter: a small autoregressive model over the drafter's top candidates that scores each
+    node's children given its ancestors, so a best-first search builds a tree that respects how tokens depend on
+    each other. `tables(target)` -> its two `[V, d]` tables for a target; `weaver_tree` (`weaver_jax._adapter`)
+    runs the search. Loaded with a bundle (`load(..., adapter=...)`) or trained (`weaver-jax train-adapter`):
+
+        bundle = weaver_jax.load("smollm2-135m-instruct")     # bundle.adapter: an Adapter
+        bundle.adapter.config.candidate_pool_size, bundle.adapter.config.K
+    """
+
     def __init__(self, config: AdapterConfig, *, rngs: nnx.Rngs):
         self.config = config
         c, dt = config, jnp.dtype(config.dtype)

@@ -93,6 +93,15 @@ class DrafterConfig:
 
 
 class Drafter(nnx.Module):
+    """The DFlash-style block drafter: from the target's hidden states at `config.target_layer_ids` (its context,
+    kept in its own KV cache) it proposes marginals for the `block_size - 1` positions after the last token in
+    one pass. `propose(target, target_cache, root [B], cache)` -> (marginal logits `[B, depth, V]`, states `[B,
+    block_size - 1, D_t]`); `commit(cache, target_hidden, positions, num_new)` extends its context.
+
+        bundle = weaver_jax.load("smollm2-135m-instruct")     # bundle.drafter: a Drafter
+        bundle.drafter.config.block_size, bundle.drafter.config.target_layer_ids
+    """
+
     def __init__(self, config: DrafterConfig, *, rngs: nnx.Rngs):
         self.config = config
         c, dt = config, jnp.dtype(config.dtype)

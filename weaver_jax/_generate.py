@@ -192,6 +192,8 @@ _listed_keys = jax.jit(jax.vmap(jax.random.key))
 
 @dataclasses.dataclass
 class GenerateResult:
+    """What `generate` returns: `tokens` per prompt and `stats` (`generate`'s docstring lists the keys)."""
+
     tokens: list[list[int]]  # generated ids per prompt, EOS included when hit, nothing after it
     stats: dict
 
@@ -486,33 +488,44 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
              top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
              eos_token_id: int | Sequence[int] | None = None, pad_to: int | None = None, exact: bool = False,
              stop: str | Sequence[str] | None = None, **method_options) -> GenerateResult:
-    """Generate continuations of `prompts` (a list of token-id lists) with `bundle.target`.
+    """Generate continuations of `prompts` with `bundle.target`, by plain decoding or a speculative method.
 
-    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (option `budget`),
-    "auto" (the method chosen per call and adapted during it from this device's measured round times and the
-    running acceptance, `weaver_jax._auto`; options `tiers`, `remeasure`; `stats["settings"]` says what ran) or
-    "weaver" (options `budget`, `children_per_node` (8), `root_children` (the root's:
-    `children_per_node`; sampling, where the first token is often outside a node's top 8: budget // 2,
-    at least `children_per_node`, at most `pool_size`), `expansions_per_call` (min(8, ceil(budget /
-    3))), `pool_size` (64, at most the adapter's), `marginal_tail` (min(8, budget // 6): nodes of the
-    budget that continue the deepest node along the drafter's argmax, at no adapter call; 0: none)). The
-    default budget: DDTree 64, Weaver 24; for a target of 1B parameters or more, trees that fill a
-    product tile, smaller as the batch grows (Weaver 63 at batch 1-2, 31 at 3-4, else 15; DDTree 31 at
-    1-2, else 15). Every speculative method takes `depth` (the deepest tree level): they emit exactly
-    what "ar" would, greedy or sampled with the same seed (up to rounding differences between a tree's
-    and a step's logits, which can flip a near-tie; with `exact=True` none: the target's numbers for a
-    token do not depend on how many tokens it is computed with, so every method's output is bitwise
-    `ar`'s with `exact=True`, in any dtype, at some cost in speed (BENCHMARKS.md)).
-    eos_token_id: None uses the bundle's EOS ids; `[]` disables EOS. stop: a string or strings (needs
-    the bundle's tokenizer): a sequence ends with the token that completes the first one in its text
-    (the rounds then run a few per call, `weaver_jax.stream`'s loop). seed: an int (sequence i
-    uses `fold_in(key(seed), i)`) or one seed per prompt. pad_to: the padded prompt length (default:
-    the longest prompt rounded up to 32); calls with the same batch size, pad_to and options share
-    one compilation whatever their prompts' lengths. Returns `.tokens` and `.stats`
-    (`rounds`, `tokens_per_second`, `seconds`, `compile_seconds`, `new_tokens`, `finish_reasons` per
-    prompt: "stop" (EOS or a stop string) or "length"; speculative
-    methods add `mean_accepted_length`, `accepted_length_histogram`, `options` (the method's options
-    as run, defaults filled in), and per prompt `sequence_verifications` and `sequence_accepted_tokens`).
+        bundle = weaver_jax.load("smollm2-135m-instruct")
+        ids = bundle.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+        out = weaver_jax.generate(bundle, [ids], method="weaver", max_new_tokens=64)
+        out.tokens[0], out.stats["tokens_per_second"], out.stats["mean_accepted_length"]
+
+    prompts: B lists of token ids, any lengths (right-padded inside to `pad_to`, default the longest rounded up
+        to 32: calls with the same batch size, pad_to and options share one compilation).
+    method: "ar" (plain decoding), "dflash" (the drafter's argmax chain), "ddtree" (the best `budget` prefixes
+        of the drafter's marginals), "weaver" (the adapter's best-first tree) or "auto" (chosen per call from
+        this device's measured round times and adapted as acceptance changes: `weaver_jax._auto`). Every method
+        emits what "ar" emits: greedy tokens equal, sampled tokens the same for a seed - up to a near-tie's
+        rounding in bfloat16, none with `exact=True`.
+    max_new_tokens: per prompt, EOS included when hit.
+    temperature, top_k, top_p: sampling filters (temperature 0: greedy).
+    seed: an int (sequence i draws from `fold_in(key(seed), i)`) or one seed per prompt; generated token t of a
+        sequence is drawn with `fold_in(its key, t)` in every method.
+    eos_token_id: None: the bundle's EOS ids; an id or ids; `[]` disables EOS.
+    stop: a string or strings (needs the bundle's tokenizer): a sequence ends with the token that completes the
+        first one in its text (the rounds then run a few per call, `weaver_jax.stream`'s loop).
+    exact: the target's row-invariant forward: a token's numbers do not depend on what is computed with it, so
+        every method is bitwise "ar"'s in any dtype, at some cost in speed (BENCHMARKS.md).
+    method options (`**method_options`):
+        every speculative method: `depth`, the deepest tree level (default and maximum: the drafter's block size
+            - 1, and the adapter's K for "weaver").
+        "ddtree": `budget` (64; for targets of >= 1B parameters 31 at batch 1-2, else 15).
+        "weaver": `budget` (24; >= 1B parameters: 63 at batch 1-2, 31 at 3-4, else 15), `children_per_node` (8),
+            `root_children` (children_per_node; when sampling budget // 2, within [children_per_node,
+            pool_size]), `expansions_per_call` (min(8, ceil(budget / 3))), `pool_size` (64, at most the
+            adapter's), `marginal_tail` (min(8, budget // 6): nodes continuing the deepest one along the
+            drafter's argmax; 0: none).
+        "auto": `tiers` (method names or dicts of a method and its options), `remeasure` (time the tiers again).
+    Returns a `GenerateResult`: `.tokens` (per prompt) and `.stats`: `rounds`, `tokens_per_second`, `seconds`,
+    `compile_seconds`, `new_tokens`, `finish_reasons` ("stop": EOS or a stop string, or "length"); speculative
+    methods add `mean_accepted_length` (τ: tokens per verification, bonus included), `accepted_length_histogram`,
+    `options` (as run, defaults filled in), `sequence_verifications` and `sequence_accepted_tokens` per prompt;
+    "auto" adds `settings` (its tiers, the switches and the call each happened at, rounds per tier).
     """
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    eos_token_id=eos_token_id, pad_to=pad_to, exact=exact)

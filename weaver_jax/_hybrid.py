@@ -168,6 +168,15 @@ class HybridLayer(nnx.Module):
 
 
 class HybridTransformer(nnx.Module):
+    """A Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid target: Gated DeltaNet and gated full-attention layers in
+    `config.layer_types` order, with `Transformer`'s protocol (`init_cache`, `prefill`, the forward over a tree
+    or a decode token, `commit` of the accepted path) over a `HybridCache`. Loaded from a Hugging Face directory
+    (`weaver_jax.load("path/to/Qwen3.5")`) or random for tests:
+
+        bundle = weaver_jax.testing.random_bundle(0, family="qwen3_5")
+        weaver_jax.generate(bundle, [[1, 2, 3]], method="weaver", max_new_tokens=8).tokens
+    """
+
     def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs):
         self.config = config
         dt = config.jnp_dtype

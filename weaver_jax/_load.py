@@ -25,7 +25,13 @@ _CONVERTER_VERSION = 1
 
 @dataclasses.dataclass
 class Bundle:
-    """What `generate` runs: the target, its tokenizer, and the speculative parts (None until trained)."""
+    """What `generate` runs: the target, its tokenizer, and the speculative parts (None until trained). Made
+    by `weaver_jax.load` (or by hand from the modules), placed on devices by `weaver_jax.shard`:
+
+        bundle = weaver_jax.load("smollm2-135m-instruct")
+        bundle.target.config, bundle.tokenizer.encode("Hi"), bundle.drafter, bundle.adapter, bundle.eos_token_ids
+        plain = weaver_jax.Bundle(bundle.target, bundle.tokenizer)    # no drafter: method "ar" only
+    """
 
     target: Transformer
     tokenizer: Tokenizer | None = None

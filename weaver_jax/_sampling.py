@@ -16,7 +16,11 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Static sampling configuration. `temperature == 0` means greedy (argmax)."""
+    """Static sampling configuration (`ar_generate` / `spec_generate`'s `sampling`): `temperature == 0` means
+    greedy (argmax); `top_k` 0 and `top_p` 1 filter nothing. `generate` builds it from its arguments.
+
+        weaver_jax.Sampling(temperature=0.7, top_k=50, top_p=0.9)
+    """
 
     temperature: float = 0.0
     top_k: int = 0

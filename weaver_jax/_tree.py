@@ -15,6 +15,9 @@ import jax.numpy as jnp
 
 
 class Tree(NamedTuple):
+    """A batch of static-shape proposal trees, node 0 the root, parents before children (`proposal_tree` returns
+    one as lists for inspection)."""
+
     tokens: jax.Array  # [B, N] int32
     parent: jax.Array  # [B, N] int32, -1 at the root
     depth: jax.Array  # [B, N] int32
