@@ -58,18 +58,16 @@ def test_tree_logits_equal_the_prefill_of_each_path(family):
 
 def test_exact_mode_on_a_hybrid_target_is_bitwise_autoregressive():
     """A Gated DeltaNet target in bfloat16 (one GDN layer: the gated attention's exact mode is the tree test's),
-    ragged batch, an oracle drafter (the default mode's greedy continuation): the chain's greedy and seeded sampled
-    output token for token `ar`'s (each accepted path stepped into the recurrent state as decode steps would)."""
+    ragged batch, an oracle drafter (the default mode's greedy continuation): the chain's greedy output token for
+    token `ar`'s (each accepted path stepped into the recurrent state as decode steps would; sampled exact mode:
+    the dense test below)."""
     rb = random_bundle(2, family="qwen3_5", dtype="bfloat16", drafter=False, layer_types=("linear_attention",))
     bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4))
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3]]
-    for sampling in [{}, dict(temperature=0.8, seed=[2, 7, 1])]:
-        ar = weaver_jax.generate(bundle, prompts, max_new_tokens=12, eos_token_id=[], exact=True, **sampling)
-        spec = weaver_jax.generate(bundle, prompts, method="dflash", max_new_tokens=12, eos_token_id=[],
-                                   exact=True, **sampling)
-        assert spec.tokens == ar.tokens, sampling
-        # paths of several nodes folded (the oracle proposes greedy tokens: sampling takes fewer)
-        assert spec.stats["mean_accepted_length"] > (1.0 if sampling else 3.0), spec.stats
+    ar = weaver_jax.generate(bundle, prompts, max_new_tokens=12, eos_token_id=[], exact=True)
+    spec = weaver_jax.generate(bundle, prompts, method="dflash", max_new_tokens=12, eos_token_id=[], exact=True)
+    assert spec.tokens == ar.tokens
+    assert spec.stats["mean_accepted_length"] > 3.0, spec.stats  # whole blocks of 4 nodes folded a round
 
 
 @pytest.mark.parametrize("method,options", [("dflash", {}), ("ddtree", {"budget": 8}), ("weaver", {"budget": 8})])
