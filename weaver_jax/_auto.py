@@ -268,7 +268,8 @@ class Autopilot:
     def observe(self, tier: Tier, rounds: int, new_tokens: list[int], running: list[bool]) -> None:
         """A call of `tier` ran `rounds` rounds; the sequences still `running` after it emitted `new_tokens` each
         (sequences that ended in it ran fewer rounds and are left out)."""
-        self.rounds[tier.name] += rounds
+        # a call that ended with its last sequence ran as many rounds as that one emitted tokens at most
+        self.rounds[tier.name] += rounds if any(running) else min(rounds, max(new_tokens, default=0))
         counted = [n for n, r in zip(new_tokens, running, strict=True) if r]
         if tier.method == "ar":
             self.predictability += RELAX * (self.prior - self.predictability)
