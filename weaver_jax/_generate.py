@@ -38,6 +38,8 @@ class ARState(NamedTuple):
 
 
 class AROutput(NamedTuple):
+    """`ar_generate`'s result (arrays on the device)."""
+
     tokens: jax.Array  # [B, max_new_tokens] int32, -1 past num_tokens
     num_tokens: jax.Array  # [B] int32 (EOS included when hit)
     rounds: jax.Array  # scalar int32: target forward passes that emitted tokens (prefill included)
@@ -81,7 +83,13 @@ def ar_generate(
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
     slots; it is donated. kernels: the Pallas kernels to use (names). exact: the target's
     row-invariant forward (`Transformer.__call__`), whose tokens every speculative method reproduces
-    bitwise with `exact=True`.
+    bitwise with `exact=True`. Inside a JAX program of your own (`generate` is the host wrapper around it):
+
+        graphdef, params = nnx.split(bundle.target)
+        prompts = jnp.asarray([ids + [0] * (32 - len(ids))])             # [1, 32], right-padded
+        out = weaver_jax.ar_generate(params, bundle.target.init_cache(1, 256), prompts, jnp.asarray([len(ids)]),
+                                     weaver_jax.sequence_keys(0, 1), graphdef=graphdef, max_new_tokens=64)
+        out.tokens[0, : out.num_tokens[0]]                                # out.cache continues the sequence
     """
     with kernel_scope(kernels):
         return _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids,
@@ -594,7 +602,11 @@ def proposal_tree(bundle, prompt, *, method: str = "weaver", temperature: float 
     """The first round's proposal tree for one prompt (token ids), and what the target accepted of
     it: {"tokens", "parent", "depth": [N] for the valid nodes (node 0 is the root, the token the
     prefill produced), "accepted": node indices of the accepted path, root first, "bonus": the
-    target's token after it}. For plotting and inspection; `generate` does the same round inside."""
+    target's token after it}. For plotting and inspection; `generate` does the same round inside.
+
+        tree = weaver_jax.proposal_tree(bundle, ids, method="weaver", budget=24)
+        [tree["tokens"][i] for i in tree["accepted"]], tree["bonus"]    # the accepted path, then the bonus
+    """
     fn, static, args = _prepare(bundle, [prompt], method, bundle.drafter.config.block_size + 1, temperature, top_k,
                                 top_p, seed, [], method_options, round_only=True)
     with _mesh_scope(bundle):

@@ -51,7 +51,12 @@ def _zeros_program(specs):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer K/V `[B, S, H_kv, D]` and committed lengths `[B]` (int32)."""
+    """Per-layer K/V `[B, S, H_kv, D]` and committed lengths `[B]` (int32): slots `[0, lengths)` hold the
+    committed tokens; a forward writes its new tokens' K/V past them and leaves `lengths` to the caller's commit.
+
+        cache = bundle.target.init_cache(batch=2, size=512)     # (a hybrid target's: a HybridCache)
+        cache.lengths, cache.size
+    """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -337,7 +342,12 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Decoder-only LM: embedding, `num_layers` pre-norm blocks, final RMSNorm, LM head.
 
-    Weight layout is `[in, out]`; `embed` is `[V, D]`; `lm_head` is `[D, V]` or absent when tied.
+    Weight layout is `[in, out]`; `embed` is `[V, D]`; `lm_head` is `[D, V]` or absent when tied. One forward
+    serves prefill, decode steps and tree verification (`__call__`); `prefill` and `commit` advance the cache.
+
+        target = weaver_jax.load("smollm2-135m-instruct").target
+        out = target.prefill(jnp.asarray([[1, 2, 3]]), target.init_cache(1, 64), jnp.asarray([3]))
+        out.logits.shape, out.cache.lengths                            # [1, 3, V], [3]
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):

@@ -129,7 +129,11 @@ def shard(bundle, mesh: Mesh, *, replicate: tuple[str, ...] = ("adapter",)):
     """`bundle` on `mesh` (axes ("data", "model")): the target and drafter split over `model` by
     `PARAMETER_AXES`, the parts named in `replicate` ("target", "drafter", "adapter") whole on every device.
     `generate` then runs every method on it unchanged, its batch split over `data` (padded inside to a multiple
-    of that axis). -> a new Bundle (the given one is left as it was)."""
+    of that axis). -> a new Bundle (the given one is left as it was).
+
+        mesh = jax.make_mesh((1, 2), ("data", "model"))
+        sharded = weaver_jax.shard(bundle, mesh)              # the adapter replicated, the rest split
+        weaver_jax.generate(sharded, [ids], method="weaver", max_new_tokens=64)"""
     mesh = auto_mesh(mesh)
     unknown = set(replicate) - {"target", "drafter", "adapter"}
     if unknown:

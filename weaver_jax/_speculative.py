@@ -252,6 +252,9 @@ class SpecState(NamedTuple):
 
 
 class SpecOutput(NamedTuple):
+    """`spec_generate`'s result (arrays on the device): `ar_generate`'s, plus verifications per sequence and the
+    histogram of tokens emitted per verification."""
+
     tokens: jax.Array  # [B, max_new_tokens], -1 past num_tokens
     num_tokens: jax.Array  # [B]
     rounds: jax.Array  # scalar: verification rounds of the longest sequence

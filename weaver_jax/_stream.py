@@ -155,6 +155,8 @@ class Loop:
 
 
 class StreamChunk(NamedTuple):
+    """One step of `stream`: the new token ids and the text that is safe to show for them."""
+
     tokens: list[int]  # the ids generated since the last chunk (EOS included when hit)
     text: str  # their text, as far as it is safe to show ("" without a tokenizer)
 
