@@ -105,6 +105,8 @@ class Engine:
                 alike = [j for j in waiting if j.settings == waiting[0].settings]
                 if not busy and waiting and (slots is None or not self._fits(slots, waiting[0])
                                              or len(alike) > slots.size < self.max_batch):
+                    if slots is not None:  # method="auto": what its calls saw is the next slots' prior
+                        slots.remember()
                     slots = self.slots = self._slots(waiting[0], alike)
                     if not self._fits(slots, waiting[0]):  # not even alone: say so rather than wait forever
                         waiting.pop(0).send("error", "the prompt and max_tokens do not fit the server's context "

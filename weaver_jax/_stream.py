@@ -373,6 +373,11 @@ class Slots:
             self.occupant[row], self.halted[row] = occupant, False
             self._first[row] = (new.tokens, j)
 
+    def remember(self) -> None:
+        """method="auto": keep the acceptance these slots' calls saw as the next calls' prior (`_auto.Plan`)."""
+        if self.autopilot is not None:
+            self.plan.remember(self.autopilot)
+
     def release(self, row: int) -> None:
         """Row `row`'s sequence has ended (or its client has gone): the row stops and is free for the next."""
         self.occupant[row], self.halted[row] = None, True
