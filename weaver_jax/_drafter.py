@@ -33,7 +33,11 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> tuple
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """Drafter shape. `target_hidden_size`, `vocab_size` and `target_layer_ids` tie it to one target."""
+    """Drafter shape. `target_hidden_size`, `vocab_size` and `target_layer_ids` tie it to one target; `like`
+    derives one from the target's config:
+
+        DrafterConfig.like(bundle.target.config, num_layers=2, num_features=3)   # block_size 16
+    """
 
     target_hidden_size: int
     vocab_size: int

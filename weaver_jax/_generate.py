@@ -180,7 +180,11 @@ def advance(state, iterations, leave, width: int, body):
 
 
 def sequence_keys(seed: int | Sequence[int], batch: int) -> jax.Array:
-    """One PRNG key per sequence: `fold_in(key(seed), i)` for an int seed, `key(seed[i])` for a list."""
+    """One PRNG key per sequence `[batch]`: `fold_in(key(seed), i)` for an int seed, `key(seed[i])` for a list;
+    generated token t of sequence i is drawn with `fold_in(keys[i], t)` in every method.
+
+        keys = weaver_jax.sequence_keys(0, 4)       # what generate(..., seed=0) uses for 4 prompts
+    """
     if isinstance(seed, (int, np.integer)):
         if -(2**31) <= seed < 2**31:  # one compiled program (a streaming call's start pays no tracing)
             return _folded_keys_jit(int(seed), batch)

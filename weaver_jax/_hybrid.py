@@ -47,6 +47,10 @@ from weaver_jax.pallas_kernels import interpret
 
 @dataclasses.dataclass(frozen=True)
 class HybridConfig:
+    """A hybrid target's shape: `layer_types` ("linear_attention" for Gated DeltaNet, "full_attention") per layer,
+    the gated attention's heads and the GDN's key / value heads. `qwen3_6_27b()` gives the Qwen3.6-27B shape;
+    `weaver_jax.convert.hf.hybrid_config_from_hf` reads a Hugging Face config.json."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -139,6 +139,10 @@ def load(name_or_path: str | os.PathLike, *, dtype: str | None = None, drafter: 
     dtype: parameter dtype, "float32" or "bfloat16"; default: a checkpoint's own, else float32 on
     CPU and bfloat16 on GPU. mesh: a `jax.sharding.Mesh` with axes ("data", "model"): the bundle is
     `weaver_jax.shard`ed over it.
+
+        bundle = weaver_jax.load("smollm2-135m-instruct")                       # drafter and adapter shipped
+        bundle = weaver_jax.load("path/to/Qwen3-8B", drafter="out/drafter", adapter="out/adapter")
+        bundle = weaver_jax.load("model.gguf", dtype="float32")                 # no drafter: method "ar"
     """
     if str(name_or_path) in NAMED_MODELS:
         drafter = drafter if drafter is not None else _shipped(str(name_or_path), "drafter")

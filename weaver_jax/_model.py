@@ -79,6 +79,8 @@ class KVCache:
 
 
 class ForwardOutput(NamedTuple):
+    """What a target's forward (or `prefill`) returns."""
+
     logits: jax.Array  # [B, R, V] float32 for the requested rows (R = T when rows is None)
     hidden: tuple[jax.Array, ...]  # one [B, T, D] per requested layer (output of that layer)
     cache: KVCache  # new K/V written at [lengths, lengths + T); lengths unchanged

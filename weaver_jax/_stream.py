@@ -413,7 +413,12 @@ def check_stop(stop, tokenizer) -> tuple[str, ...]:
 
 
 class TokenStream:
-    """What `stream` returns: iterate for `StreamChunk`s; afterwards `tokens`, `text`, `finish_reason`, `stats`."""
+    """What `stream` returns: iterate for `StreamChunk`s; afterwards `tokens`, `text`, `finish_reason`, `stats`.
+
+        s = weaver_jax.stream(bundle, ids, max_new_tokens=64, method="weaver", stop="\n\n")
+        text = "".join(chunk.text for chunk in s)
+        s.finish_reason, s.stats["tokens_per_second"]
+    """
 
     def __init__(self, run: Run, text: Text):
         self._run, self._text = run, text
