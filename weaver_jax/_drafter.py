@@ -36,7 +36,7 @@ class DrafterConfig:
     """Drafter shape. `target_hidden_size`, `vocab_size` and `target_layer_ids` tie it to one target; `like`
     derives one from the target's config:
 
-        DrafterConfig.like(bundle.target.config, num_layers=2, num_features=3)   # block_size 16
+        DrafterConfig.like(bundle.target.config, num_layers=2, num_features=3, mask_token_id=0)  # block_size 16
     """
 
     target_hidden_size: int
