@@ -87,10 +87,10 @@ def tiers(bundle, requested, *, sampled: bool, batch: int, parameters: int) -> l
             raise ValueError(f"a tier's method must be 'ar', 'dflash', 'ddtree' or 'weaver', got {method!r}")
         if method != "ar":
             asked.append((method, t))
-    resolved = [(m, _speculative_setup(bundle, m, o, sampled, batch, parameters)[0]) for m, o in asked]
-    depths = {o["depth"] for _, o in resolved}
+    depths = {_speculative_setup(bundle, m, o, sampled, batch, parameters)[0]["depth"] for m, o in asked}
     depth = min(depths, default=1)
-    if len({o.get("depth") for _, o in asked if "depth" in o} | ({depth} if len(depths) > 1 else set())) > 1:
+    given = {o["depth"] for _, o in asked if "depth" in o}  # a depth asked for must be the one all can run
+    if len(given) > 1 or (given and min(given) != depth):
         raise ValueError(f"the tiers ask for different depths {sorted(depths)}: they share one loop, give one depth")
     out = [Tier("ar", (), (("depth", depth),), 1)]
     for method, options in asked:
@@ -209,10 +209,11 @@ def measure(loop, state, tiers_: list[Tier], keys) -> dict[str, float]:
     return out
 
 
-def known_costs(bundle, tiers_: list[Tier], *, sampled: bool, exact: bool, batch: int) -> dict | None:
-    """The round times kept on disk for every tier at this batch ({name: seconds, or None where it cannot win}),
-    or None when one is missing."""
-    kept = read_costs()
+def known_costs(bundle, tiers_: list[Tier], *, sampled: bool, exact: bool, batch: int,
+                kept: dict | None = None) -> dict | None:
+    """The round times kept on disk (`kept`: `read_costs()` when read already) for every tier at this batch
+    ({name: seconds, or None where it cannot win}), or None when one is missing."""
+    kept = read_costs() if kept is None else kept
     keys = {t.name: cost_key(bundle, t, sampled=sampled, exact=exact, batch=batch) for t in tiers_}
     return {name: kept[k] for name, k in keys.items()} if all(k in kept for k in keys.values()) else None
 
@@ -307,13 +308,14 @@ class Plan:
         tree_nodes(bundle, "auto", options, sampled=self.sampled, batch=self.batch, parameters=parameters)  # checks
         self.tiers = tiers(bundle, options.get("tiers"), sampled=self.sampled, batch=self.batch,
                            parameters=parameters)
-        where = dict(sampled=self.sampled, exact=exact, batch=self.batch)
+        kept = read_costs()  # the round times and the acceptance seen before
         if len(self.tiers) == 1:
             self.costs = {"ar": 1.0}
         else:
-            self.costs = None if options.get("remeasure") else known_costs(bundle, self.tiers, **where)
+            self.costs = None if options.get("remeasure") else known_costs(
+                bundle, self.tiers, sampled=self.sampled, exact=exact, batch=self.batch, kept=kept)
         self.learned = predictability_key(bundle, sampled=self.sampled, exact=exact)
-        self.predictability = read_costs().get(self.learned, 1.0)
+        self.predictability = kept.get(self.learned, 1.0)
         plain = self.costs is not None and Autopilot(self.tiers, self.costs, self.sampled, False,
                                                      self.predictability).plain_wins()
         if plain:

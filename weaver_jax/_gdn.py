@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from weaver_jax._model import causal_attend, dense, pairwise_sum, split_grouped
+from weaver_jax._model import causal_attend, dense, mean_square, pairwise_sum, split_grouped
 from weaver_jax.pallas_kernels import interpret, kernels_enabled
 
 
@@ -304,8 +304,7 @@ class GatedDeltaNet(nnx.Module):
         """The gated RMSNorm per value head and the output projection: o `[B, T, H_v, d_v]` -> `[B, T, D]`."""
         b, t, h_v, d_v = o.shape
         z = dense(x, self.in_z[...], exact, split="columns").astype(jnp.float32).reshape(b, t, h_v, d_v)
-        squares = pairwise_sum(o * o) / d_v if exact else jnp.mean(o * o, axis=-1, keepdims=True)
-        o = o * jax.lax.rsqrt(squares + self.eps) * self.norm[...].astype(jnp.float32) * jax.nn.silu(z)
+        o = o * jax.lax.rsqrt(mean_square(o, exact) + self.eps) * self.norm[...].astype(jnp.float32) * jax.nn.silu(z)
         return dense(o.reshape(b, t, h_v * d_v).astype(x.dtype), self.out[...], exact, split="rows")
 
     def prefill(self, x, state: GDNState, lengths, chunk: int = 64, exact: bool = False) -> tuple[jax.Array, GDNState]:

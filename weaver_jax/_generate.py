@@ -541,6 +541,7 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     """
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    eos_token_id=eos_token_id, pad_to=pad_to, exact=exact)
+    plan = None
     if method == "auto":
         from weaver_jax._auto import Plan
 
@@ -554,7 +555,7 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
         # a sequence ends, or the tier of the next call is chosen from the last ones' acceptance
         from weaver_jax._stream import generate_chunked
 
-        return generate_chunked(bundle, prompts, stop=stop, method=method, **options, **method_options)
+        return generate_chunked(bundle, prompts, stop=stop, method=method, plan=plan, **options, **method_options)
     fn, static, args = _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed,
                                 eos_token_id, method_options, pad_to=pad_to, exact=exact)
     t0 = time.perf_counter()

@@ -18,7 +18,6 @@ sigmoid(gate) before its projection. Weights `[in, out]`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +36,10 @@ from weaver_jax._model import (
     causal_attend,
     dense,
     gqa_attention,
-    pairwise_sum,
+    mean_square,
     per_head_kernel,
     position_path,
+    row_invariant_product,
     visibility_mask,
 )
 from weaver_jax.pallas_kernels import interpret
@@ -108,8 +108,7 @@ class HybridCache(KVCache):
 
 def zero_centered_rms_norm(x, weight, eps: float, exact: bool = False):
     x32 = x.astype(jnp.float32)
-    squares = pairwise_sum(x32 * x32) / x.shape[-1] if exact else jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(squares + eps) * (1 + weight.astype(jnp.float32))
+    y = x32 * jax.lax.rsqrt(mean_square(x32, exact) + eps) * (1 + weight.astype(jnp.float32))
     return y.astype(x.dtype)
 
 
@@ -207,11 +206,7 @@ class HybridTransformer(nnx.Module):
         tied = self.lm_head is None
         w = self.embed[...] if tied else self.lm_head[...]
         if exact:
-            from weaver_jax.pallas_kernels._call import per_shard_product
-            from weaver_jax.pallas_kernels.row_invariant import matmul
-
-            product = functools.partial(matmul, transpose_w=tied, interpret=interpret())
-            return per_shard_product(product, h, w, None if tied else "columns", tied)
+            return row_invariant_product(h, w, None if tied else "columns", tied)
         return jnp.einsum("...d,dv->...v", h, w.T if tied else w, preferred_element_type=jnp.float32)
 
     def logits(self, x):

@@ -118,9 +118,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, bias: jax.Array | None = None,
              exact: bool = False) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    squares = pairwise_sum(x32 * x32) / x.shape[-1] if exact else jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(squares + eps) * scale.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(mean_square(x32, exact) + eps) * scale.astype(jnp.float32)
     return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def mean_square(x: jax.Array, exact: bool = False) -> jax.Array:
+    """`[..., D] -> [..., 1]`: the mean of x * x over the last axis, what a norm divides by (exact: by
+    `pairwise_sum`, the same order at any shape)."""
+    return pairwise_sum(x * x) / x.shape[-1] if exact else jnp.mean(x * x, axis=-1, keepdims=True)
 
 
 def pairwise_sum(x: jax.Array) -> jax.Array:
@@ -137,15 +142,22 @@ def pairwise_sum(x: jax.Array) -> jax.Array:
 def dense(x: jax.Array, w: jax.Array, exact: bool = False, transpose_w: bool = False,
           split: str | None = None) -> jax.Array:
     """`x @ w` (`w.T` with transpose_w) in x's dtype; exact: each row's product is independent of
-    the other rows (the row-invariant kernel), run per device where a sharded bundle splits w over its `model`
-    axis by `split` ("columns" or "rows": `pallas_kernels._call.per_shard_product`)."""
+    the other rows (`row_invariant_product`)."""
     if exact:
-        from weaver_jax.pallas_kernels._call import per_shard_product
-        from weaver_jax.pallas_kernels.row_invariant import matmul
-
-        product = functools.partial(matmul, transpose_w=transpose_w, interpret=interpret())
-        return per_shard_product(product, x, w, split, transpose_w).astype(x.dtype)
+        return row_invariant_product(x, w, split, transpose_w).astype(x.dtype)
     return x @ (w.T if transpose_w else w)
+
+
+def row_invariant_product(x: jax.Array, w: jax.Array, split: str | None = None,
+                          transpose_w: bool = False) -> jax.Array:
+    """`x @ w` in float32 by the row-invariant kernel (exact mode's products and LM heads), run per device where a
+    sharded bundle splits w over its `model` axis by `split` ("columns" or "rows":
+    `pallas_kernels._call.per_shard_product`)."""
+    from weaver_jax.pallas_kernels._call import per_shard_product
+    from weaver_jax.pallas_kernels.row_invariant import matmul
+
+    product = functools.partial(matmul, transpose_w=transpose_w, interpret=interpret())
+    return per_shard_product(product, x, w, split, transpose_w)
 
 
 def visibility_mask(lengths: jax.Array, attend: jax.Array, cache_size: int) -> jax.Array:
@@ -389,13 +401,9 @@ class Transformer(nnx.Module):
     def head(self, h: jax.Array, exact: bool = False) -> jax.Array:
         """The LM head alone (the drafter applies it to its own normed states): `[..., D] -> [..., V]`."""
         if exact:  # the untied head is split by vocabulary on a sharded target (the tied embedding is whole)
-            from weaver_jax.pallas_kernels._call import per_shard_product
-            from weaver_jax.pallas_kernels.row_invariant import matmul
-
             tied = self.lm_head is None
-            product = functools.partial(matmul, transpose_w=tied, interpret=interpret())
             split = None if tied else self.layers[0].attn.split("columns")
-            return per_shard_product(product, h, self.embed[...] if tied else self.lm_head[...], split, tied)
+            return row_invariant_product(h, self.embed[...] if tied else self.lm_head[...], split, tied)
         if self.lm_head is None:
             return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)

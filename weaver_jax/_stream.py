@@ -391,13 +391,14 @@ class Slots:
         opened = [(self.occupant[row], [int(np.asarray(tokens)[j, 0])]) for row, (tokens, j) in firsts.items()]
         occupants = list(self.occupant)
         tier = tier or (self.autopilot and self.autopilot.next())
-        rounds = self.autopilot and int(self.state.rounds)
+        rounds_before = self.autopilot and int(self.state.rounds)
         self.state, window = self.loop.advance(self.state, self.keys, self.halted, leave, tier=tier and tier.name)
         emitted = [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
         if self.autopilot is not None and emitted:  # the rows still running after the call ran every round of it
             done = np.asarray(self.state.done)
             running = [not done[i] for i, o in enumerate(occupants) if o is not None]
-            self.autopilot.observe(tier, int(self.state.rounds) - rounds, [len(t) for _, t in emitted], running)
+            self.autopilot.observe(tier, int(self.state.rounds) - rounds_before, [len(t) for _, t in emitted],
+                                   running)
         return opened + emitted
 
 
