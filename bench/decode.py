@@ -38,7 +38,8 @@ SHAPES = {"qwen3-8b": wj.qwen3_8b, "smollm2-135m": wj.smollm2_135m,
 
 
 def timed(fn, repeats: int) -> list[float]:
-    jax.block_until_ready(fn())  # warm-up (and compile)
+    for _ in range(2):  # warm-up (and compile); a first exact-mode run after compiling measured seconds slower
+        jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -7,7 +7,7 @@
 Prompts: the first `--per-set` of each held-out set (MT-Bench first turns, HumanEval, held-out
 AlpacaEval; `weaver-jax train-prompts`), chat-templated, every one padded to the same length
 (`generate(pad_to=...)`) so each configuration compiles once. At batch B the prompts go in groups of
-B in a fixed order; EOS on, `--max-new-tokens` each. Every configuration is compiled (and run once)
+B in a fixed order (`--mixed`: round robin over the sets, so every batch mixes chat, code and writing); EOS on, `--max-new-tokens` each. Every configuration is compiled (and run once)
 first, concurrently; then each is timed in turn: tokens/s = new tokens / seconds summed over its
 `generate` calls (compile excluded), τ pooled over all prompts, and the share of prompts whose tokens
 equal those of `ar` with the same `exact` setting and seeds (`same_as_ar`; at T > 0 too: sampling is
@@ -81,12 +81,17 @@ def main():
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0])
     parser.add_argument("--config", nargs="+", default=["ar", "dflash", "ddtree:budget=64", "weaver:budget=64"])
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--mixed", action="store_true", help="batches mix the sets (issue 41's mixed batch) "
+                        "instead of taking them in order")
     parser.add_argument("--workers", type=int, default=8, help="configurations compiled at once")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     t0 = time.time()
     bundle = load_bundle(args)
-    prompts = encode_sets(bundle, args.eval_prompts, args.per_set)[1]
+    names, prompts = encode_sets(bundle, args.eval_prompts, args.per_set)
+    if args.mixed:  # round robin over the sets: every batch of B >= 3 holds chat, code and writing prompts
+        rank = [int((names[:i] == name).sum()) for i, name in enumerate(names)]
+        prompts = [prompts[i] for i in sorted(range(len(prompts)), key=lambda i: (rank[i], i))]
     pad = -(-max(len(p) for p in prompts) // 32) * 32
     configs = list(dict.fromkeys(["ar", *args.config]))  # ar first: the baseline
     jobs = [(c, b, t) for t in args.temperatures for b in args.batch for c in configs]
@@ -111,6 +116,7 @@ def main():
         if mode in ar_texts:
             same = [a == b for a, b in zip(texts, ar_texts[mode], strict=True)]
             row["same_as_ar"] = sum(same) / len(same)
+        row["mixed"] = args.mixed
         rows.append(row)
         print(json.dumps(row), flush=True)
         args.json.write_text(json.dumps(rows, indent=1))

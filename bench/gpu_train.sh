@@ -40,6 +40,7 @@
 #                                                 # carry .stage/prompts; E2E_ARGS: more e2e.py options,
 #                                                 # E2E_LABEL: a suffix for its JSON)
 #   bash bench/gpu_train.sh profile 1 "ar weaver:budget=64"            # bench/round_profile.py on the real pair
+#   bash bench/gpu_train.sh tune "1 8 32" "0 1"                       # weaver-jax tune (method="auto"'s costs), timed
 #   bash bench/gpu_train.sh stream                                     # bench/stream.py: streaming's cost
 #                                                 # (STREAM_ROUNDS="0 16": those rounds_per_call only)
 #   bash bench/gpu_train.sh serve "weaver ar"                          # bench/serve_load.py (carry .whl: the stage says which;
@@ -286,7 +287,7 @@ while [ $# -gt 0 ]; do
       done
       shift 4 ;;
     e2e)  # e2e BATCHES TEMPERATURES CONFIGS
-      need_gguf
+      need_gguf; named_gguf  # method="auto" reads the cost file the tune stage wrote
       timeout $((570 - SECONDS)) python3 bench/e2e.py --model "$GGUF" --drafter "$(model_dir drafter)" \
         --adapter "$(model_dir adapter)" --eval-prompts "$(prompts)/eval_prompts.json" --batch $2 \
         --temperatures $3 --config $4 ${E2E_ARGS:-} \
@@ -299,6 +300,11 @@ while [ $# -gt 0 ]; do
         --per-set ${AGREE_PER_SET:-8} --config $2 \
         --json "$OUT/agreement.json" 2>&1 | grep -v "^\[\|^W1\|^I1"
       shift 2 ;;
+    tune)  # tune BATCHES TEMPERATURES: `weaver-jax tune` (method="auto"'s cost model) timed; the file into $OUT
+      need_gguf; named_gguf
+      t0=$SECONDS; $W tune --batch $2 --temperature $3 2>&1 | grep -v "^\[\|^W1\|^I1"
+      echo "tune took $((SECONDS - t0)) s"; cp "$WEAVER_JAX_CACHE/auto_costs.json" "$OUT/"
+      shift 3 ;;
     stream)  # bench/stream.py: what streaming costs against generate, the real pair (ar, weaver; 256 tokens)
       need_gguf; named_gguf
       timeout $((570 - SECONDS)) python3 bench/stream.py --methods ar weaver --rounds ${STREAM_ROUNDS:-0 1 4 16} --max-new-tokens 256 \
