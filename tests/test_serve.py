@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 import weaver_jax as wj
 from weaver_jax import _auto, _generate
 from weaver_jax._serve import Server
-from weaver_jax._stream import insert_rows
+from weaver_jax._stream import Slots, insert_rows, take_rows
 
 MESSAGES = [{"role": "user", "content": "hi there"}]
 
@@ -74,8 +74,9 @@ def test_chat_and_completions_are_generates_text_streamed_or_not():
 
 
 def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one(monkeypatch, tmp_path):
-    """Two slots, three requests: the first two start together, each ends at its own limit or stop string, and
-    the third takes the slot the short one frees while the first runs on; every reply is `generate`'s."""
+    """At most two slots, three requests: the first runs alone, the slots grow to two rows (the first carried
+    over mid-sequence) when the others arrive, each ends at its own limit or stop string, and the third takes the
+    slot the short one frees while the first runs on; every reply is `generate`'s."""
     b = bundle()
     other = [{"role": "user", "content": "tell me more"}]
     prompt = b.tokenizer.apply_chat_template(MESSAGES)
@@ -90,7 +91,17 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one(monkeypatch
         tiers = _auto.tiers(b, ["dflash"], sampled=False, batch=size, parameters=parameters)
         _auto.keep_costs(b, tiers, {"ar": 1.0, "dflash": 1.0}, sampled=False, exact=False, batch=size)
     server = Server(b, method="auto", tiers=["dflash"], max_batch=2, start=False, warmup=(0.0,))  # started once
-    programs = len(_generate._COMPILED), insert_rows._cache_size()  # all three wait; nothing compiles after
+    programs = len(_generate._COMPILED), insert_rows._cache_size(), take_rows._cache_size()  # nothing compiles after
+    first_call, arrived = threading.Event(), threading.Event()
+    step = Slots.step
+
+    def held(self, *args, **kwargs):  # the first call waits for the other requests: they arrive while it runs
+        out = step(self, *args, **kwargs)
+        first_call.set()
+        arrived.wait()
+        return out
+
+    monkeypatch.setattr(Slots, "step", held)
     client = TestClient(server.app)
     stop = next(c for c in full[4:] if c != "\ufffd")
     requests = [{"messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stop": stop},
@@ -102,18 +113,24 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one(monkeypatch
         replies[i] = client.post("/v1/chat/completions", json=requests[i]).json()
 
     threads = [threading.Thread(target=post, args=(i,)) for i in range(3)]
-    for i, t in enumerate(threads):
+    threads[0].start()
+    while server.engine.pending.qsize() < 1:
+        threading.Event().wait(0.01)
+    server.engine.start()
+    first_call.wait()
+    for i, t in enumerate(threads[1:]):
         t.start()
         while server.engine.pending.qsize() < i + 1:  # queued in this order
             threading.Event().wait(0.01)
-    server.engine.start()
+    arrived.set()
     for t in threads:
         t.join()
     content = [r["choices"][0]["message"]["content"] for r in replies]
     assert content == [full[: full.index(stop)], *want]
     assert replies[0]["choices"][0]["finish_reason"] == "stop"
-    assert max(server.engine.batch_sizes) == 2 and server.engine.batch_sizes[0] == 2
-    assert (len(_generate._COMPILED), insert_rows._cache_size()) == programs  # the warm-up compiled them
+    assert server.engine.batch_sizes[0] == 1 and server.engine.batch_sizes[1] == 2
+    assert server.engine.slots.size == 2
+    assert (len(_generate._COMPILED), insert_rows._cache_size(), take_rows._cache_size()) == programs  # warmed
     assert all(server.engine.slots.autopilot.rounds.values())  # both tiers ran
 
 

@@ -101,9 +101,9 @@ def test_slots_prefill_joining_sequences_together_and_each_emits_what_it_would_a
 def test_a_slots_call_that_leaves_ends_when_a_sequence_ends():
     """`step(leave=True)` (requests wait for a row) ends the call at the round where a sequence ends: the row
     that joined a call later has one new token, not the call's three; the calls after it continue what
-    `generate` gives each."""
+    `generate` gives each - also across the slots growing from two rows to four mid-sequence (`take`)."""
     b, options = bundle(), dict(method="ar", max_new_tokens=8, temperature=1.0)
-    slots = Slots(b, 4, context=128, rounds_per_call=3, **options)
+    slots = Slots(b, 2, context=128, rounds_per_call=3, **options)
     got = {"a": [], "b": []}
 
     def step(leave=False):
@@ -116,6 +116,10 @@ def test_a_slots_call_that_leaves_ends_when_a_sequence_ends():
 
     slots.insert([0], ["a"], [PROMPT], [11], pad_to=32)
     assert step() == {"a": 4, "b": 0}  # the prefill's token and three
+    bigger = Slots(b, 4, context=128, rounds_per_call=3, **options)
+    assert bigger.can_take(slots) and not slots.can_take(bigger)
+    bigger.take(slots)
+    slots = bigger
     slots.insert([2], ["b"], [PROMPT[:2]], [12], pad_to=32)
     assert step() == {"a": 3, "b": 4}
     assert step(leave=True) == {"a": 1, "b": 1}  # "a" has its 8

@@ -70,8 +70,9 @@ class Engine:
     """The generation thread: `submit` queues a job (`queue.Full` past `max_queue` waiting); the thread keeps
     slots of one set of settings running and moves waiting jobs of those settings into free slots between calls.
     The slots are as many as the jobs waiting when they were made (a power of two, at most `max_batch`, since an
-    empty row costs a round as much as a full one); jobs of other settings, or more jobs than slots, wait until
-    the slots drain, and the next slots fit them. `batch_sizes` records the rows in use per call."""
+    empty row costs a round as much as a full one) and grow, their sequences carried over, when more jobs of
+    their settings wait than rows are free (clients arrive apart); jobs of other settings wait until the slots
+    drain, and the next slots fit them. `batch_sizes` records the rows in use per call."""
 
     def __init__(self, bundle, *, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
                  start: bool = True):
@@ -114,7 +115,10 @@ class Engine:
                         continue
                 if slots is None:  # every waiting job was cancelled before it started
                     continue
-                joining = [j for j in waiting if self._fits(slots, j)][: len(slots.free())]
+                fitting = [j for j in waiting if self._fits(slots, j)]
+                if len(fitting) > len(slots.free()) and slots.size < self.max_batch:  # clients arrive apart
+                    slots = self.slots = self._grown(slots, len(fitting) - len(slots.free()))
+                joining = fitting[: len(slots.free())]
                 if joining:  # prefilled together: one call, not one per job
                     pad = min(max(_bucket(len(j.prompt), 64) for j in joining), self._room(slots))
                     slots.insert(slots.free()[: len(joining)], joining, [j.prompt for j in joining],
@@ -136,12 +140,16 @@ class Engine:
     def warm_up(self, settings: tuple) -> None:
         """Compile what requests with `settings` run: slots of every size the engine makes (powers of two up to
         `max_batch`) for prompts up to 64 tokens and max_tokens up to MAX_TOKENS_DEFAULT, an insert and calls."""
-        size = 1
+        size, smaller = 1, []
         while True:
             jobs = [Job([0], MAX_TOKENS_DEFAULT, settings, 0, (), None) for _ in range(size)]
             slots = self._slots(jobs[0], jobs)
             if slots.autopilot and slots.autopilot.measured:  # method="auto" timed its tiers: now it may choose
                 slots = self._slots(jobs[0], jobs)  # plain decoding outright, as the requests' slots will
+            for other in smaller:  # growing from any smaller size (`_grown`)
+                if slots.can_take(other):
+                    slots.take(other)
+            smaller.append(slots)
             slots.insert(list(range(size)), jobs, [j.prompt for j in jobs], [0] * size, 64)
             for tier in slots.autopilot.tiers if slots.autopilot else [None]:  # method="auto": each tier's calls
                 slots.step(tier=tier)
@@ -177,17 +185,38 @@ class Engine:
     def _slots(self, first: Job, alike: list[Job]) -> Slots:
         """Slots for `first`'s settings, sized for the jobs like it that wait: the cache holds what they need
         (rounded up to a power of two, within the server's context), since every round reads all of it."""
-        method, options, temperature, top_p, exact = first.settings
         size = min(self.max_batch, _bucket(len(alike), 1))  # every row costs a round's compute, used or not
         new = _bucket(max(j.max_tokens for j in alike), MAX_TOKENS_DEFAULT)
-        nodes = tree_nodes(self.bundle, method, dict(options), sampled=temperature > 0, batch=size,
-                           parameters=self.parameters)
+        nodes = self._nodes(first.settings, size)
         longest = max(_bucket(len(j.prompt), 64) for j in alike)
         new = min(new, max(first.max_tokens, self.context - longest - nodes))  # the context bounds the bucket
-        context = min(self.context, _bucket(longest + new + nodes, 256))
+        return self._make(first.settings, size, new, min(self.context, _bucket(longest + new + nodes, 256)))
+
+    def _grown(self, slots: Slots, more: int) -> Slots:
+        """`slots` with rows for `more` sequences besides its own (a power of two, at most max_batch), those
+        running carried over mid-sequence; or `slots` itself where the bigger slots' tree leaves a running prompt
+        no room, or their state differs (method="auto" choosing plain decoding at one batch size, not the other)."""
+        size = min(self.max_batch, _bucket(slots.size + more, 1))
+        held = max((len(j.prompt) for j in slots.occupant if j is not None), default=0)
+        if self._room(slots) + slots.nodes - self._nodes(slots.key, size) < held:
+            return slots
+        bigger = self._make(slots.key, size, slots.settings["max_new_tokens"], slots.context)
+        if not bigger.can_take(slots):
+            return slots
+        slots.remember()
+        bigger.take(slots)
+        return bigger
+
+    def _nodes(self, settings: tuple, size: int) -> int:
+        method, options, temperature, _, _ = settings
+        return tree_nodes(self.bundle, method, dict(options), sampled=temperature > 0, batch=size,
+                          parameters=self.parameters)
+
+    def _make(self, settings: tuple, size: int, new: int, context: int) -> Slots:
+        method, options, temperature, top_p, exact = settings
         slots = Slots(self.bundle, size, method=method, max_new_tokens=new, context=context,
                       temperature=temperature, top_p=top_p, exact=exact, **dict(options))
-        slots.key, slots.nodes = first.settings, nodes
+        slots.key, slots.nodes = settings, self._nodes(settings, size)
         return slots
 
 

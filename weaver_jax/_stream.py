@@ -312,6 +312,13 @@ def insert_rows(state, new, rows):
                         state, new)
 
 
+@functools.partial(jax.jit, static_argnames=("rows",), donate_argnames=("state",))
+def take_rows(state, old, rows: int):
+    """`state` (a batch's loop state and keys) with its first `rows` rows and its scalars (loop counters) from
+    `old`'s, a smaller batch of the same settings: slots that grow while their sequences run."""
+    return jax.tree.map(lambda big, small: small if big.ndim == 0 else big.at[:rows].set(small[:rows]), state, old)
+
+
 class Slots:
     """Continuous batching over the static-shape loop: `size` rows of one set of settings, each free or held by
     a sequence; `insert` prefills prompts into free rows between calls (each its own seed, its own start: its
@@ -322,6 +329,8 @@ class Slots:
                  top_k=0, top_p=1.0, exact=False, rounds_per_call: int | None = None, **method_options):
         from weaver_jax import _auto
 
+        self.arguments = dict(method=method, max_new_tokens=max_new_tokens, context=context, temperature=temperature,
+                              top_k=top_k, top_p=top_p, exact=exact, rounds_per_call=rounds_per_call, **method_options)
         self.plan = self.autopilot = tiers = self.nodes = None
         if method == "auto":  # the rows share each call's tier (`Run`)
             self.plan = _auto.Plan(bundle, [[0]] * size, temperature, exact, method_options)
@@ -372,6 +381,24 @@ class Slots:
         for j, (row, occupant) in enumerate(zip(rows, occupants, strict=True)):
             self.occupant[row], self.halted[row] = occupant, False
             self._first[row] = (new.tokens, j)
+
+    def can_take(self, other: Slots) -> bool:
+        """Whether `other`'s rows can move into these (bigger) slots as they are: the same kind of state, each
+        array the same but for its rows (method="auto" may run plain decoding outright at one batch size and its
+        tiers at another)."""
+        def layout(slots):
+            leaves, tree = jax.tree.flatten((slots.state, slots.keys))
+            return tree, [(a.shape[1:], a.dtype) for a in leaves]
+
+        return other.size < self.size and layout(self) == layout(other)
+
+    def take(self, other: Slots) -> None:
+        """Move `other`'s sequences (`can_take`) into these slots' first rows, mid-sequence: their tokens stay
+        those they would have had (a row's tokens do not depend on its batch)."""
+        n = other.size
+        self.state, self.keys = take_rows((self.state, self.keys), (other.state, other.keys), n)
+        self.occupant[:n], self.halted[:n] = other.occupant, other.halted
+        self._first = dict(other._first)
 
     def remember(self) -> None:
         """method="auto": keep the acceptance these slots' calls saw as the next calls' prior (`_auto.Plan`)."""
