@@ -110,6 +110,23 @@ def test_the_autopilot_follows_acceptance_and_tries_drafting_again():
     assert settings["start"] == "weaver-24" and settings["rounds"]["ar"] == 8 * calls
 
 
+def test_in_lockstep_the_slowest_sequence_sets_the_pace():
+    """Two sequences, one accepting most of each tree and one nothing: slots (rows replaced as they end) keep
+    drafting on the batch's mean; a `generate` batch, whose rounds are its slowest sequence's, turns to `ar`."""
+    ar, dflash, weaver = tiers_of(batch=1)
+    for lockstep, pace in ((False, weaver), (True, ar)):
+        pilot = _auto.Autopilot([ar, dflash, weaver], {"ar": 1.0, "dflash": 1.6, "weaver-24": 2.0}, False, False,
+                                lockstep=lockstep)
+        pilot.next()
+        for _ in range(3):
+            pilot.observe(weaver, 8, [8 * 6, 8], [True, True])
+            pilot.next()
+        assert pilot.current is pace, lockstep
+    assert pilot.settings()["slowest_predictability"] < 0.25 < pilot.settings()["predictability"]
+    pilot.observe(ar, 8, [8, 8], [True, False])  # the slow one has ended: the fast one sets the pace
+    assert pilot.next() is weaver
+
+
 def test_auto_options_are_checked():
     b = bundle()
     with pytest.raises(TypeError, match="method 'auto' takes only the options tiers"):

@@ -42,6 +42,7 @@ WEIGHT = 0.5  # a drafted chunk's weight in the running predictability
 RELAX = 0.05  # per plain chunk, the predictability's way back to the prior: speculation is tried again
 SWITCH = 1.03  # another tier replaces the running one when predicted this much faster
 TIMED_ROUNDS = 8  # rounds per timed call when measuring a tier's round time
+SHRINK = 8  # lockstep: a sequence's own acceptance counts as much as the batch's once it has this many rounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,13 +193,14 @@ def measure(loop, state, tiers_: list[Tier], keys) -> dict[str, float]:
         ran = int(after.rounds) - start  # waits for the call
         return time.perf_counter() - t0, ran
 
+    loop.compile(state, keys, halted, [t.name for t in tiers_])
     best_tau = max(t.prior(sampled=False) for t in tiers_)  # greedy τ is the higher
     for tier in sorted(tiers_, key=lambda t: t.nodes):
         drafted = [v for k, v in out.items() if k != "ar" and v is not None]
         if "ar" in out and drafted and out["ar"] and min(drafted) / out["ar"] > best_tau:
             out[tier.name] = None  # cannot win here
             continue
-        timed(tier, 1)  # compiles
+        timed(tier, 1)  # warm
         ones = [timed(tier, 1) for _ in range(2)]
         longs = [timed(tier, 1 + TIMED_ROUNDS) for _ in range(2)]
         rounds = min(r for _, r in longs) - max(r for _, r in ones)
@@ -225,24 +227,37 @@ def keep_costs(bundle, tiers_: list[Tier], costs: dict, *, sampled: bool, exact:
 
 class Autopilot:
     """The tier of each call: the fastest predicted, τ / round time, with τ = 1 + (prior - 1) x predictability
-    for a drafting tier and 1 for plain decoding; `observe` each call's tokens. -> `settings()` for the stats."""
+    for a drafting tier and 1 for plain decoding; `observe` each call's tokens. -> `settings()` for the stats.
+    lockstep: a batch that ends with its last sequence (`generate`'s, not the server's slots): its rounds are
+    those of its slowest sequence, so the predictability that sets the pace is the least of its sequences'
+    (measured on an H200 at B = 32: Weaver's mean τ 3.7, its slowest sequence's 2.3, and 0.87x `ar`)."""
 
     def __init__(self, tiers_: list[Tier], costs: dict[str, float], sampled: bool, measured: bool,
-                 predictability: float = 1.0):
+                 predictability: float = 1.0, lockstep: bool = False):
         if costs.get("ar") is None:  # nothing measured (a call too short to time): plain steps
             costs = {"ar": 1.0}
         self.tiers = [t for t in tiers_ if costs.get(t.name) is not None]
         self.costs, self.sampled, self.measured = costs, sampled, measured
         self.prior = self.predictability = predictability  # the calls before this one's (1: the prior τ as is)
         self.seen = [0.0, 0]  # drafted chunks' predictability x rounds, rounds
+        self.lockstep, self.sequences, self.running = lockstep, None, None  # lockstep: `seen` per sequence [B, 2]
         self.calls = 0
         self.current = max(self.tiers, key=self.speed)
         self.start = self.current
         self.switches: list[dict] = []
         self.rounds = {t.name: 0 for t in self.tiers}
 
+    def pace(self) -> float:
+        """The predictability that sets the pace: the batch's, or in lockstep its slowest running sequence's
+        (each sequence's drafted chunks so far, shrunk toward the batch's by SHRINK rounds: a short run of bad
+        luck is not a slow sequence)."""
+        if not self.lockstep or self.sequences is None or not self.running.any():
+            return self.predictability
+        seen, rounds = self.sequences[self.running].T
+        return float(np.min((seen + SHRINK * self.predictability) / (rounds + SHRINK)))
+
     def tau(self, tier: Tier) -> float:
-        return 1.0 + (tier.prior(self.sampled) - 1.0) * self.predictability
+        return 1.0 + (tier.prior(self.sampled) - 1.0) * self.pace()
 
     def speed(self, tier: Tier) -> float:
         """Predicted tokens per second per sequence."""
@@ -272,14 +287,23 @@ class Autopilot:
         # a call that ended with its last sequence ran as many rounds as that one emitted tokens at most
         self.rounds[tier.name] += rounds if any(running) else min(rounds, max(new_tokens, default=0))
         counted = [n for n, r in zip(new_tokens, running, strict=True) if r]
+        self.running = np.asarray(running, bool)
         if tier.method == "ar":
             self.predictability += RELAX * (self.prior - self.predictability)
         elif counted and rounds:
-            tau = sum(counted) / (rounds * len(counted))
-            ratio = max(0.0, (tau - 1.0) / max(tier.prior(self.sampled) - 1.0, 1e-3))
-            self.predictability += WEIGHT * (ratio - self.predictability)
-            self.seen[0] += ratio * rounds
+            def ratio(tau):
+                return np.maximum(0.0, (tau - 1.0) / max(tier.prior(self.sampled) - 1.0, 1e-3))
+
+            batch = float(ratio(sum(counted) / (rounds * len(counted))))
+            self.predictability += WEIGHT * (batch - self.predictability)
+            self.seen[0] += batch * rounds
             self.seen[1] += rounds
+            if self.lockstep:
+                if self.sequences is None:
+                    self.sequences = np.zeros((len(running), 2))
+                self.sequences[self.running] += np.stack(
+                    [ratio(np.asarray(new_tokens)[self.running] / rounds) * rounds,
+                     np.full(self.running.sum(), rounds)], -1)
 
     def learned(self) -> float | None:
         """The prior for this device's next call: halfway from this call's to what its drafted chunks saw."""
@@ -289,7 +313,8 @@ class Autopilot:
         return {"method": "auto", "tiers": [t.name for t in self.tiers], "start": self.start.name,
                 "switches": self.switches, "rounds": dict(self.rounds), "calls": self.calls,
                 "round_ms": {k: None if v is None else round(v * 1e3, 4) for k, v in self.costs.items()},
-                "measured_now": self.measured, "predictability": round(self.predictability, 3)}
+                "measured_now": self.measured, "predictability": round(self.predictability, 3),
+                **({"slowest_predictability": round(self.pace(), 3)} if self.lockstep else {})}
 
 
 class Plan:
@@ -325,16 +350,16 @@ class Plan:
             self.method, self.request, self.loop_tiers = first.method, dict(first.request), self.tiers
             self.nodes = max(t.nodes for t in self.tiers)
 
-    def autopilot(self, loop, state) -> Autopilot:
-        """The call's `Autopilot`, its tiers' round times measured first on copies of `state` where none are kept
-        (and kept for the next call, in this process and others)."""
+    def autopilot(self, loop, state, lockstep: bool = False) -> Autopilot:
+        """The call's `Autopilot` (`lockstep`: a `generate` batch), its tiers' round times measured first on
+        copies of `state` where none are kept (and kept for the next call, in this process and others)."""
         costs, measured = self.costs, self.costs is None
         if measured:
             costs = measure(loop, state, self.tiers, loop.keys)
             if costs:
                 keep_costs(self.bundle, self.tiers, costs, sampled=self.sampled, exact=self.exact, batch=self.batch)
                 self.costs = costs
-        return Autopilot(self.tiers, costs, self.sampled, measured, self.predictability)
+        return Autopilot(self.tiers, costs, self.sampled, measured, self.predictability, lockstep)
 
     def remember(self, autopilot: Autopilot) -> None:
         """Keep what the call's drafted chunks saw as the next calls' prior (a device and text where drafts earn

@@ -14,6 +14,7 @@ a stop string) and finds where a stop string ends it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import time
 from collections.abc import Iterator, Sequence
@@ -79,6 +80,10 @@ class Programs:
         self.compile_seconds = 0.0  # spent looking up or compiling programs not yet kept here
 
     def __call__(self, fn, *args):
+        return self.program(fn, *args)(*args)
+
+    def program(self, fn, *args):
+        """`fn`'s program for these arguments, compiled (and kept) first if need be."""
         key = (fn, *(getattr(a, "shape", None) for a in args))
         if self.sharded:
             key += tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(args))
@@ -86,7 +91,7 @@ class Programs:
             t0 = time.perf_counter()
             self.compiled[key] = _generate._compiled(fn, self.static, *args)
             self.compile_seconds += time.perf_counter() - t0
-        return self.compiled[key](*args)
+        return self.compiled[key]
 
 
 def batch_keys(method: str, args: list) -> jax.Array:
@@ -116,12 +121,13 @@ class Loop:
             weights, tree = _generate.weight_leaves(*args[:2], *(args[7:] or [None, None]))  # adapter, tables
             advance = spec_advance
         self.keys = batch_keys(method, args)
-        self._advances = {}
+        self._advances, self._compilers = {}, {}
         for tier in tiers or [None]:
             own = {} if tier is None else {"method": tier.method, "options": tier.options}
             programs = Programs(static | own | {"weights_tree": tree}, bundle.mesh is not None)
             self.programs.append(programs)
             self._advances[tier and tier.name] = functools.partial(programs, advance, weights)
+            self._compilers[tier and tier.name] = functools.partial(programs.program, advance, weights)
         self.bundle, self.pace = bundle, Pace(rounds_per_call, call_seconds)
         self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
         self._leave = Uploaded()
@@ -142,6 +148,17 @@ class Loop:
         with _generate._mesh_scope(self.bundle):
             rounds = self._rounds(np.int32(rounds or self.pace.rounds))
             return self._advances[tier](state, keys, self._halt(halted), rounds, self._leave(np.bool_(leave)))
+
+    def compile(self, state, keys, halted: np.ndarray, tiers: list[str]) -> None:
+        """Compile these tiers' calls at once (threads: XLA compiles outside the GIL), running none."""
+        halted, rounds, leave = self._halt(halted), self._rounds(np.int32(1)), self._leave(np.bool_(False))
+
+        def one(tier):
+            with _generate._mesh_scope(self.bundle):
+                self._compilers[tier](state, keys, halted, rounds, leave)
+
+        with concurrent.futures.ThreadPoolExecutor(len(tiers)) as pool:
+            list(pool.map(one, tiers))
 
     def read(self, window, adapt: bool = True) -> np.ndarray:
         """adapt=False: the call may have ended early (`leave`), so its time says nothing of the pace."""
@@ -235,7 +252,7 @@ class Run:
         self.t0, self.compiled_before = time.perf_counter(), 0.0
         self.state = self.loop.start(args)
         if tiers:
-            self.autopilot = self.plan.autopilot(self.loop, self.state)
+            self.autopilot = self.plan.autopilot(self.loop, self.state, lockstep=self.real > 1)
             # a first use's measurement is not the run's time
             self.t0, self.compiled_before = time.perf_counter(), self.loop.compile_seconds
         self.seconds = 0.0
