@@ -85,6 +85,19 @@ def test_plain_decoding_runs_outright_when_drafting_cannot_pay(costs):
     assert [t for c in s for t in c.tokens] == got.tokens[0] and s.stats["settings"]["start"] == "ar"
 
 
+def test_tune_measures_every_cell_at_once_and_keeps_the_times(costs):  # costs: a file of the test's own
+    """`weaver-jax tune`: the cells compile beside each other and are timed one at a time; what it keeps is what
+    a later call reads instead of measuring."""
+    rows = _auto.tune(bundle(), batch_sizes=(1, 2), temperatures=(0.0,), prompt_tokens=8, tiers=["dflash"])
+    assert [(r["batch"], r["temperature"]) for r in rows] == [(1, 0.0), (2, 0.0)]
+    for row in rows:
+        assert set(row["round_ms"]) == {"ar", "dflash"} and row["round_ms"]["ar"] > 0
+        made = tiers_of(batch=row["batch"], requested=["dflash"])
+        kept = _auto.known_costs(bundle(), made, sampled=False, exact=False, batch=row["batch"])
+        assert kept == {k: None if v is None else pytest.approx(v / 1e3, rel=1e-3, abs=1e-7)
+                        for k, v in row["round_ms"].items()}
+
+
 def test_the_autopilot_follows_acceptance_and_tries_drafting_again():
     ar, dflash, weaver = tiers_of(batch=1)
     pilot = _auto.Autopilot([ar, dflash, weaver], {"ar": 1.0, "dflash": 1.6, "weaver-24": 2.0}, False, False)

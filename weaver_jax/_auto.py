@@ -18,10 +18,13 @@ several steps).
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -166,14 +169,44 @@ def read_costs() -> dict:
                          "again") from e
 
 
+_WRITING = threading.Lock()  # tune's threads
+
+
 def write_costs(new: dict) -> None:
     """Add `new` (key -> seconds per round) to the file, atomically (another process may write it too)."""
     path = cost_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    merged = read_costs() | new
-    part = path.with_name(f"{path.name}.{os.getpid()}.part")
-    part.write_text(json.dumps(merged, indent=0, sort_keys=True))
-    os.replace(part, path)
+    with _WRITING:
+        merged = read_costs() | new
+        part = path.with_name(f"{path.name}.{os.getpid()}.part")
+        part.write_text(json.dumps(merged, indent=0, sort_keys=True))
+        os.replace(part, path)
+
+
+class _Gate:
+    """`tune`'s batches compile at once (threads), then are timed one at a time with nothing compiling beside
+    them: a thread `arrive`s once its programs are compiled (or it ends), `timing()` waits for all, then holds
+    the lock."""
+
+    def __init__(self, threads: int):
+        self.waiting, self.arrived, self.lock = threads, set(), threading.Condition()
+        self.timing_lock = threading.Lock()
+
+    def arrive(self) -> None:
+        with self.lock:
+            self.arrived.add(threading.get_ident())
+            self.lock.notify_all()
+
+    @contextlib.contextmanager
+    def timing(self):
+        self.arrive()
+        with self.lock:
+            self.lock.wait_for(lambda: len(self.arrived) >= self.waiting)
+        with self.timing_lock:
+            yield
+
+
+_local = threading.local()  # `_local.gate`: a tune thread's _Gate
 
 
 def measure(loop, state, tiers_: list[Tier], keys) -> dict[str, float]:
@@ -183,8 +216,16 @@ def measure(loop, state, tiers_: list[Tier], keys) -> dict[str, float]:
     drafted round costs more plain steps than any tier's prior τ (a drafted round costs at least the
     drafter's pass), nothing dearer is timed. -> {tier name: seconds} for those measured."""
     halted = np.zeros(keys.shape[:1], bool)
+    loop.compile(state, keys, halted, [t.name for t in tiers_])
+    gate = getattr(_local, "gate", None)
+    with gate.timing() if gate else contextlib.nullcontext():
+        return _timed_rounds(loop, state, tiers_, keys, halted)
+
+
+def _timed_rounds(loop, state, tiers_: list[Tier], keys, halted) -> dict[str, float]:
     start = int(state.rounds)
     out = {}
+    best_tau = max(t.prior(sampled=False) for t in tiers_)  # greedy τ is the higher
 
     def timed(tier, rounds):
         copy = jax.tree.map(jnp.copy, state)
@@ -193,8 +234,6 @@ def measure(loop, state, tiers_: list[Tier], keys) -> dict[str, float]:
         ran = int(after.rounds) - start  # waits for the call
         return time.perf_counter() - t0, ran
 
-    loop.compile(state, keys, halted, [t.name for t in tiers_])
-    best_tau = max(t.prior(sampled=False) for t in tiers_)  # greedy τ is the higher
     for tier in sorted(tiers_, key=lambda t: t.nodes):
         drafted = [v for k, v in out.items() if k != "ar" and v is not None]
         if "ar" in out and drafted and out["ar"] and min(drafted) / out["ar"] > best_tau:
@@ -380,18 +419,27 @@ def tune(bundle, *, batch_sizes=(1, 8), temperatures=(0.0, 1.0), prompt_tokens: 
          tiers=None) -> list[dict]:
     """Measure and keep every tier's round time on this device for these batch sizes and temperatures (what a
     call's first use does for its own), on prompts of random token ids: -> one row per (batch, temperature) with
-    the round times in ms and the tier predicted fastest at the prior τ."""
+    the round times in ms, the tier predicted fastest at the prior τ and the seconds from the start until its
+    times were kept (every cell's programs compile at once, then each is timed alone)."""
     from weaver_jax._stream import Run
 
-    rows = []
     rng = np.random.default_rng(0)
-    for batch in batch_sizes:
-        for temperature in temperatures:
-            prompts = rng.integers(0, bundle.target.config.vocab_size, (batch, prompt_tokens)).tolist()
-            t0 = time.perf_counter()
+    cells = [(batch, temperature, rng.integers(0, bundle.target.config.vocab_size, (batch, prompt_tokens)).tolist())
+             for batch in batch_sizes for temperature in temperatures]
+    gate, t0 = _Gate(len(cells)), time.perf_counter()
+
+    def one(cell):  # each cell compiles beside the others; the timing waits for every compile (`_Gate`)
+        batch, temperature, prompts = cell
+        _local.gate = gate
+        try:
             run = Run(bundle, prompts, method="auto", max_new_tokens=256, temperature=temperature,
                       eos_token_id=[], exact=exact, remeasure=True, **({} if tiers is None else {"tiers": tiers}))
-            settings = run.autopilot.settings() if run.autopilot else run.plan.settings()
-            rows.append({"batch": batch, "temperature": temperature, "round_ms": settings["round_ms"],
-                         "fastest": settings["start"], "seconds": round(time.perf_counter() - t0, 1)})
-    return rows
+        finally:
+            gate.arrive()
+            _local.gate = None
+        settings = run.autopilot.settings() if run.autopilot else run.plan.settings()
+        return {"batch": batch, "temperature": temperature, "round_ms": settings["round_ms"],
+                "fastest": settings["start"], "seconds": round(time.perf_counter() - t0, 1)}
+
+    with concurrent.futures.ThreadPoolExecutor(len(cells)) as pool:
+        return list(pool.map(one, cells))
