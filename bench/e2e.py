@@ -7,7 +7,8 @@
 Prompts: the first `--per-set` of each held-out set (MT-Bench first turns, HumanEval, held-out
 AlpacaEval; `weaver-jax train-prompts`), chat-templated, every one padded to the same length
 (`generate(pad_to=...)`) so each configuration compiles once. At batch B the prompts go in groups of
-B in a fixed order (`--mixed`: round robin over the sets, so every batch mixes chat, code and writing); EOS on, `--max-new-tokens` each. Every configuration is compiled (and run once)
+B in a fixed order (`--mixed`: round robin over the sets, so every batch mixes chat, code and writing);
+EOS on, `--max-new-tokens` each. Every configuration is compiled (and run once)
 first, concurrently; then each is timed in turn: tokens/s = new tokens / seconds summed over its
 `generate` calls (compile excluded), τ pooled over all prompts, and the share of prompts whose tokens
 equal those of `ar` with the same `exact` setting and seeds (`same_as_ar`; at T > 0 too: sampling is
