@@ -6,8 +6,11 @@ logits then flips, and a speculative method stops matching `ar` token for token.
 each row's reduction order by what the row itself is, never by how many rows come with it:
 
   matmul: x `[M, K]` times w (`[K, N]`, or `[N, K]` with `transpose_w`) in float32. One program per
-    (16-row block, 64 columns) accumulates K in 64-wide blocks, in order; M is padded to 16 rows, so
-    every row goes through the same program whatever M is (a decode step's single row included).
+    (16-row block, 64 columns, piece of K) accumulates its piece in 64-wide blocks, in order, and the
+    pieces' sums are added in index order; M is padded to 16 rows, so every row goes through the same
+    programs whatever M is (a decode step's single row included). How many pieces K is cut into
+    (`k_pieces`) follows from the weight's shape alone, never the rows: enough programs to fill the GPU
+    where a weight has few output columns (SmolLM2's 576: 9 column blocks, of 132 SMs).
   attention: one program per (sequence, token, query head) walks the positions `0 ..` its own in
     64-wide blocks with an online softmax. The key at position p is read from slot p below the
     committed length and, from there on, from the slot of the new token at that position on the
@@ -34,6 +37,15 @@ from weaver_jax.pallas_kernels._call import pallas_call
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 BLOCK_P = 64  # positions per attention step
+PROGRAMS = 256  # per 16 rows: about two per SM of an H200, where K has pieces enough
+
+
+def k_pieces(k_blocks: int, n_blocks: int) -> int:
+    """How many pieces the product's K (`k_blocks` of BLOCK_K) is cut into, from the weight's shape alone: the
+    fewest (a divisor of k_blocks, each piece two blocks or more) that give PROGRAMS column-block programs, or
+    as many as there can be."""
+    pieces = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and (k_blocks // d >= 2 or d == 1)]
+    return next((d for d in pieces if d * n_blocks >= PROGRAMS), pieces[-1])
 
 
 def matmul_reference(x, w, *, transpose_w: bool = False):
@@ -41,19 +53,20 @@ def matmul_reference(x, w, *, transpose_w: bool = False):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision):
-    """One (row block, column block): x_ref `[M_pad, K]`, w_ref the whole weight; K in BLOCK_K steps."""
+def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision, steps: int):
+    """One (row block, column block, piece of K): x_ref `[M_pad, K]`, w_ref the whole weight; the piece's
+    `steps` blocks of BLOCK_K, in order."""
     rows = pl.ds(pl.program_id(0) * BLOCK_M, BLOCK_M)
     columns = pl.ds(pl.program_id(1) * BLOCK_N, BLOCK_N)
+    first = pl.program_id(2) * steps
 
     def step(i, acc):
-        depth = pl.ds(i * BLOCK_K, BLOCK_K)
+        depth = pl.ds((first + i) * BLOCK_K, BLOCK_K)
         x = x_ref[rows, depth]
         w = w_ref[columns, depth] if transpose_w else w_ref[depth, columns]
         return acc + plgpu.dot(x, w, trans_b=transpose_w, precision=precision)
 
-    k = x_ref.shape[1]
-    o_ref[...] = jax.lax.fori_loop(0, k // BLOCK_K, step, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
+    o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
 
 
 def _pad_to(a, axis: int, multiple: int):
@@ -78,13 +91,16 @@ def matmul(x, w, *, transpose_w: bool = False, interpret: bool = False, poison: 
     rows = _pad_to(_pad_to(rows, 0, BLOCK_M), 1, BLOCK_K)
     w = _pad_to(_pad_to(w, 1 if transpose_w else 0, BLOCK_K), 0 if transpose_w else 1, BLOCK_N)
     m_pad, n_pad = rows.shape[0], w.shape[0] if transpose_w else w.shape[1]
+    k_blocks = rows.shape[1] // BLOCK_K
+    pieces = k_pieces(k_blocks, n_pad // BLOCK_N)
     precision = jax.lax.Precision.HIGHEST if jnp.promote_types(x.dtype, w.dtype) == jnp.float32 else None
-    out = pallas_call(
-        functools.partial(_matmul_kernel, transpose_w=transpose_w, precision=precision), [rows, w],
-        grid=(m_pad // BLOCK_M, n_pad // BLOCK_N), in_specs=[pl.BlockSpec(), pl.BlockSpec()],
-        out_specs=pl.BlockSpec((BLOCK_M, BLOCK_N), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), jnp.float32),
+    sums = pallas_call(
+        functools.partial(_matmul_kernel, transpose_w=transpose_w, precision=precision, steps=k_blocks // pieces),
+        [rows, w], grid=(m_pad // BLOCK_M, n_pad // BLOCK_N, pieces), in_specs=[pl.BlockSpec(), pl.BlockSpec()],
+        out_specs=pl.BlockSpec((None, BLOCK_M, BLOCK_N), lambda i, j, p: (p, i, j)),
+        out_shape=jax.ShapeDtypeStruct((pieces, m_pad, n_pad), jnp.float32),
         name="row_invariant_matmul", num_warps=4, num_stages=2, interpret=interpret, poison=poison)
+    out = functools.reduce(jnp.add, list(sums))  # the pieces in index order: elementwise, so still per row
     return out[:m, :n].reshape(*lead, n)
 
 

@@ -28,6 +28,7 @@ def fresh_rng():
     (37, 96, 80, False, jnp.bfloat16),  # K and N padded, M not a multiple of 16
     (1, 64, 64, False, jnp.float32),
     (20, 128, 192, True, jnp.bfloat16),  # the tied LM head's layout
+    (17, 512, 64, False, jnp.bfloat16),  # K in 4 pieces (few output columns), their sums added in order
 ])
 def test_matmul_matches_reference_and_is_row_invariant(m, k, n, transpose_w, dtype):
     seed, rng = fresh_rng()
