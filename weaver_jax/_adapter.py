@@ -35,7 +35,11 @@ from weaver_jax.pallas_kernels import kernels_enabled
 @dataclasses.dataclass(frozen=True)
 class AdapterConfig:
     """Names as in the published checkpoints: d_model (target width), d_embed (target embedding
-    width), d_rank (adapter width), K (max depth), candidate_pool_size (P)."""
+    width), d_rank (adapter width), K (max depth), candidate_pool_size (P). The shipped SmolLM2 adapter's:
+
+        AdapterConfig(d_model=576, d_embed=576, d_rank=384, num_layers=2, num_heads=6, mlp_dim=1024, K=15)
+        weaver_jax.Adapter(config, rngs=nnx.Rngs(0))  # a fresh one to train (`weaver-jax train-adapter`)
+    """
 
     d_model: int
     d_embed: int

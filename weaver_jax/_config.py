@@ -22,7 +22,12 @@ class ModelConfig:
     """Decoder-only transformer shape and numerics.
 
     `family` is informational ("llama", "qwen2", "qwen3"); the switches that change the
-    computation are `qkv_bias` (Qwen2.5), `qk_norm` (Qwen3) and `tie_embeddings`.
+    computation are `qkv_bias` (Qwen2.5), `qk_norm` (Qwen3) and `tie_embeddings`. Frozen; `replace` for a
+    variant (a loaded target's is `bundle.target.config`):
+
+        config = weaver_jax.smollm2_135m("bfloat16")
+        tiny = config.replace(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1)
+        target = weaver_jax.Transformer(tiny, rngs=nnx.Rngs(0))  # random weights of that shape
     """
 
     vocab_size: int

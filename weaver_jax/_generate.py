@@ -204,7 +204,11 @@ _listed_keys = jax.jit(jax.vmap(jax.random.key))
 
 @dataclasses.dataclass
 class GenerateResult:
-    """What `generate` returns: `tokens` per prompt and `stats` (`generate`'s docstring lists the keys)."""
+    """What `generate` returns: `tokens` per prompt and `stats` (`generate`'s docstring lists the keys):
+
+        out = weaver_jax.generate(bundle, [ids], max_new_tokens=64, method="weaver")
+        out.tokens[0], out.stats["tokens_per_second"], out.stats["mean_accepted_length"]
+    """
 
     tokens: list[list[int]]  # generated ids per prompt, EOS included when hit, nothing after it
     stats: dict

@@ -528,7 +528,12 @@ def flatten_params(tree, prefix: str = "") -> dict:
 
 def target_from_params(config: ModelConfig, params: dict) -> Transformer:
     """Build a Transformer from flat `{name: array}` in the project's layout (names as
-    `flatten_params` prints them), checking that every tensor is present with its shape."""
+    `flatten_params` prints them), checking that every tensor is present with its shape (a clear error names
+    the one missing or misshapen). What the converters end with; a round trip:
+
+        flat = flatten_params(nnx.to_pure_dict(nnx.state(target)))  # {"embed": ..., "layers.0.attn.qkv": ...}
+        same = weaver_jax.target_from_params(target.config, flat)
+    """
     return module_from_params(lambda: Transformer(config, rngs=nnx.Rngs(0)), config.jnp_dtype, params)
 
 

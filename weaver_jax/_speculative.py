@@ -491,7 +491,16 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
     block_size`. "weaver" also takes the adapter's params and graphdef, and `weaver_tables`' result (made
     inside when None). kernels: the Pallas kernels to use (`weaver_jax.pallas_kernels.KERNELS` names). exact:
     the target's row-invariant forward, which makes the output bitwise `ar_generate(..., exact=True)`'s in any
-    dtype."""
+    dtype. The chain inside a JAX program of your own (`generate` resolves the options for you):
+
+        graphdef, params = nnx.split(bundle.target)
+        drafter_graphdef, drafter_params = nnx.split(bundle.drafter)
+        out = weaver_jax.spec_generate(
+            params, drafter_params, bundle.target.init_cache(1, 256), bundle.drafter.init_cache(1, 256),
+            prompts, prompt_lengths, weaver_jax.sequence_keys(0, 1), graphdef=graphdef,
+            drafter_graphdef=drafter_graphdef, method="dflash", max_new_tokens=64,
+            options=(("depth", bundle.drafter.config.block_size - 1),))
+        out.tokens[0, : out.num_tokens[0]], out.rounds  # ar_generate's tokens, in fewer target passes"""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
                    options, exact, tables)

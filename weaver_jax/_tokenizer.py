@@ -59,6 +59,10 @@ class Tokenizer:
 
     bos_token_id: int or None. eos_token_ids: every id that ends a generation, the primary EOS first.
     special_tokens: {"bos_token": "<|im_start|>", ...}, what a chat template sees under those names.
+
+        tok = weaver_jax.Tokenizer.from_directory("Qwen3-8B/")  # tokenizer.json + tokenizer_config.json
+        ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}])  # ends with the assistant's turn
+        tok.decode(ids, skip_special_tokens=True), tok.eos_token_ids
     """
 
     def __init__(self, backend, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
