@@ -118,7 +118,7 @@ class Engine:
                 fitting = [j for j in waiting if self._fits(slots, j)]
                 if len(fitting) > len(slots.free()) and slots.size < self.max_batch:  # clients arrive apart
                     slots = self.slots = self._grown(slots, len(fitting) - len(slots.free()))
-                joining = fitting[: len(slots.free())]
+                joining = [j for j in fitting if self._fits(slots, j)][: len(slots.free())]
                 if joining:  # prefilled together: one call, not one per job
                     pad = min(max(_bucket(len(j.prompt), 64) for j in joining), self._room(slots))
                     slots.insert(slots.free()[: len(joining)], joining, [j.prompt for j in joining],
