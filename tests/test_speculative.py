@@ -6,6 +6,7 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import weaver_jax
 from weaver_jax import KVCache
@@ -214,6 +215,12 @@ def test_speculative_bad_input():
             weaver_jax.generate(rb, [[1]], method="dflash", max_new_tokens=2, depth=depth)
     with pytest.raises(ValueError, match="needs a drafter"):
         weaver_jax.generate(weaver_jax.Bundle(rb.target), [[1]], method="ddtree", max_new_tokens=2)
+    (graphdef, params), (drafter_graphdef, drafter_params) = nnx.split(rb.target), nnx.split(rb.drafter)
+    with pytest.raises(ValueError, match=r"options=\(\('depth', 5\),\) for the chain"):  # the raw API, no options
+        weaver_jax.spec_generate(params, drafter_params, rb.target.init_cache(1, 64), rb.drafter.init_cache(1, 64),
+                                 jnp.ones((1, 4), jnp.int32), jnp.asarray([4]), weaver_jax.sequence_keys(0, 1),
+                                 graphdef=graphdef, drafter_graphdef=drafter_graphdef, method="dflash",
+                                 max_new_tokens=2)
     with pytest.raises(ValueError, match="needs an adapter"):
         weaver_jax.generate(weaver_jax.Bundle(rb.target, drafter=rb.drafter), [[1]], method="weaver", max_new_tokens=2)
     with pytest.raises(ValueError, match=r"children_per_node must be an integer in \[1, pool_size=16\]"):

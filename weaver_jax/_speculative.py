@@ -312,6 +312,10 @@ def _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, a
         if tables is None:  # once per call, not per round
             tables = adapter.tables(target)
     options = dict(options)
+    if "depth" not in options:
+        raise ValueError(f"spec_generate's options must be the method's resolved options, 'depth' among them (got "
+                         f"{sorted(options)}): e.g. options=(('depth', {drafter.config.block_size - 1}),) for the "
+                         "chain; generate fills them in")
     return _Parts(target, drafter, adapter, tables, method, options, layer_ids, layer_ids, options["depth"], exact)
 
 
