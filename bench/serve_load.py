@@ -5,8 +5,9 @@
 Starts the server in this process (uvicorn, 127.0.0.1, a free port) for the named model (default: the shipped
 SmolLM2 pair), then for each method (`--methods`, "ar" = speculation off) and concurrency C sends `--requests`
 chat requests from C client threads (the official `openai` client), T = 0, EOS off so every answer has
-`--max-tokens` tokens: aggregate completion tokens/s and p50 / p99 request latency. The server compiles its
-programs for T = 0 first (`warmup`), and one untimed round of C requests precedes the timed ones. As the
+`--max-tokens` tokens: aggregate completion tokens/s and p50 / p99 request latency, the slots' rows in use per
+call, and for method="auto" what its last slots chose. The server compiles its programs for T = 0 first
+(`warmup`), and one untimed round of C requests precedes the timed ones. As the
 baseline, one `generate` call on the same prompts (the first `--max-batch` of them as one batch) gives tokens/s
 for `vs_generate_batch`. It stops by itself.
 """
@@ -14,6 +15,7 @@ for `vs_generate_batch`. It stops by itself.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import json
 import statistics
@@ -88,12 +90,18 @@ def main():
             with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
                 list(pool.map(one, range(concurrency)))  # warm-up: what these requests need is compiled
                 programs, t0 = len(_generate._COMPILED), time.perf_counter()
+                calls = len(app.engine.batch_sizes)
                 results = list(pool.map(one, range(args.requests)))
                 seconds = time.perf_counter() - t0
                 compiled = len(_generate._COMPILED) - programs  # compiled while timed (batch sizes not warmed)
             latencies = sorted(r[0] for r in results)
             tokens = sum(r[1] for r in results)
+            rows_per_call = collections.Counter(app.engine.batch_sizes[calls:])  # the slots' rows in use per call
+            slots = app.engine.slots
+            pilot = slots and slots.autopilot  # method="auto": what its last slots chose and saw
             rows.append(dict(method=method, concurrency=concurrency, requests=args.requests,
+                             rows_per_call=dict(sorted(rows_per_call.items())),
+                             auto=pilot.settings() if pilot else slots and slots.plan and slots.plan.settings(),
                              max_tokens=args.max_tokens, tokens_per_second=tokens / seconds,
                              p50_seconds=statistics.median(latencies),
                              p99_seconds=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
