@@ -116,7 +116,7 @@ class Engine:
                 if slots is None:  # every waiting job was cancelled before it started
                     continue
                 fitting = [j for j in waiting if self._fits(slots, j)]
-                if len(fitting) > len(slots.free()) and slots.size < self.max_batch:  # clients arrive apart
+                if len(fitting) > len(slots.free()) and slots.size < self.max_batch and slots.growable:
                     slots = self.slots = self._grown(slots, len(fitting) - len(slots.free()))
                 joining = [j for j in fitting if self._fits(slots, j)][: len(slots.free())]
                 if joining:  # prefilled together: one call, not one per job
@@ -195,13 +195,15 @@ class Engine:
     def _grown(self, slots: Slots, more: int) -> Slots:
         """`slots` with rows for `more` sequences besides its own (a power of two, at most max_batch), those
         running carried over mid-sequence; or `slots` itself where the bigger slots' tree leaves a running prompt
-        no room, or their state differs (method="auto" choosing plain decoding at one batch size, not the other)."""
+        no room, or their state differs (method="auto" choosing plain decoding at one batch size, not the other):
+        then those slots run on as they are until they drain (`growable`), as requests arriving apart would."""
         size = min(self.max_batch, _bucket(slots.size + more, 1))
         held = max((len(j.prompt) for j in slots.occupant if j is not None), default=0)
         if self._room(slots) + slots.nodes - self._nodes(slots.key, size) < held:
             return slots
         bigger = self._make(slots.key, size, slots.settings["max_new_tokens"], slots.context)
         if not bigger.can_take(slots):
+            slots.growable = False  # making the bigger slots again would cost a prefill (and auto's plan) per call
             return slots
         slots.remember()
         bigger.take(slots)
@@ -216,7 +218,7 @@ class Engine:
         method, options, temperature, top_p, exact = settings
         slots = Slots(self.bundle, size, method=method, max_new_tokens=new, context=context,
                       temperature=temperature, top_p=top_p, exact=exact, **dict(options))
-        slots.key, slots.nodes = settings, self._nodes(settings, size)
+        slots.key, slots.nodes, slots.growable = settings, self._nodes(settings, size), True
         return slots
 
 
