@@ -16,11 +16,12 @@ only the accepted path is folded into H0 afterwards (`fold`). A chain is a tree:
 the same form chunk by chunk (`gated_delta_chunked`). Only ratios exp(prefix_i - prefix_j) along a path
 appear, never a division by a small cumulative decay.
 
-Exact mode (`exact=True`) computes each node instead by the recurrence itself, one token at a time along its
-own path from the committed state (`gated_delta_exact`), with every sum over d_k a `pairwise_sum` (elementwise
-adds in a fixed order): a node's numbers are then those of the decode steps that would have produced it, bit
-for bit, and a commit repeats the accepted path's steps (`fold_exact`). It costs a state per node and depth
-steps per node; the prefill runs the same step token by token (`gated_delta_sequential`).
+Exact mode (`exact=True`) computes each node instead by the recurrence itself, one step from its parent's
+state (the committed state at the top of the tree: `gated_delta_exact`), with every sum over d_k a
+`pairwise_sum` (elementwise adds in a fixed order): a node's numbers are then those of the decode steps along
+its path that would have produced it, bit for bit, and a commit repeats the accepted path's steps
+(`fold_exact`). It costs a state per node and a step per node; the prefill runs the same step token by token
+(`gated_delta_sequential`).
 
 The causal depthwise conv before the rule reads, for each node, its own path's inputs and then the
 committed conv state (`conv_tree`). `GatedDeltaNet` is the Qwen3.5 layer around both: `prefill`
@@ -151,21 +152,28 @@ def exact_step(s, k, v, g, beta) -> jax.Array:
 
 
 def gated_delta_exact(q, k, v, g, beta, state, path) -> tuple[jax.Array, StepTerms]:
-    """Exact mode's tree: every node's output by `exact_step` along its own path (`path [B, T, T]`: the node at
-    each depth of node i's path, -1 past it, `weaver_jax._model.position_path`) from `state`, a state per node.
-    -> (outputs `[B, T, H_v, d_v]` float32, the terms `fold_exact` reads)."""
+    """Exact mode's tree: every node's state by `exact_step` from its parent's (the committed `state` for a node
+    at depth 0), nodes in order (parents before children), so each state is the one the decode steps along the
+    node's path (`path [B, T, T]`: the node at each depth of node i's path, -1 past it,
+    `weaver_jax._model.position_path`) would reach, bit for bit: one step per node, not one per node and depth
+    (CPU, 27B heads: 2.6x faster at 65 nodes). -> (outputs `[B, T, H_v, d_v]` float32, the terms `fold_exact`
+    reads)."""
     q, k, v, g, beta = _per_value_head(q, k, v, g, beta)  # [B, H, T, ...]
     b, _, t = g.shape
-    rows = jnp.arange(b)[:, None]
+    rows = jnp.arange(b)
     by_node = [jnp.moveaxis(x, 2, 1) for x in (k, v, g, beta)]  # [B, T, H, ...]
+    length = jnp.sum(path >= 0, axis=-1)  # [B, T]: a node's depth + 1 (0: no node)
+    parent = jnp.take_along_axis(path, jnp.maximum(length - 2, 0)[..., None], -1)[..., 0]
+    parent = jnp.where(length >= 2, parent, -1)
+    start = state.astype(jnp.float32)
 
-    def along(j, s):  # every node's state after the node at depth j of its path
-        at = path[:, :, j]
-        stepped = exact_step(s, *(x[rows, jnp.maximum(at, 0)] for x in by_node))
-        return jnp.where((at >= 0)[:, :, None, None, None], stepped, s)
+    def step(i, s):  # node i from its parent, an earlier node
+        p = parent[:, i]
+        before = jnp.where((p >= 0)[:, None, None, None], s[rows, jnp.maximum(p, 0)], start)
+        stepped = exact_step(before, *(x[:, i] for x in by_node))
+        return s.at[:, i].set(jnp.where((length[:, i] > 0)[:, None, None, None], stepped, before))
 
-    s = jnp.broadcast_to(state.astype(jnp.float32)[:, None], (b, t, *state.shape[1:]))
-    s = jax.lax.fori_loop(0, jnp.max(jnp.sum(path >= 0, axis=-1)), along, s)
+    s = jax.lax.fori_loop(0, t, step, jnp.zeros((b, t, *start.shape[1:]), jnp.float32))
     return _sum_keys(jnp.moveaxis(q, 2, 1)[..., :, None] * s), StepTerms(k, v, g, beta)
 
 
