@@ -184,17 +184,17 @@ def write_costs(new: dict) -> None:
 
 
 class _Gate:
-    """`tune`'s batches compile at once (threads), then are timed one at a time with nothing compiling beside
-    them: a thread `arrive`s once its programs are compiled (or it ends), `timing()` waits for all, then holds
-    the lock."""
+    """`tune`'s cells compile at once (a thread each), then are timed one at a time with nothing compiling beside
+    them: a cell `arrive`s once its programs are compiled (or it ends, however), `timing()` waits for all, then
+    holds the lock. A cell is its thread's `_local.cell` (a thread may run a second cell once its first ended)."""
 
-    def __init__(self, threads: int):
-        self.waiting, self.arrived, self.lock = threads, set(), threading.Condition()
+    def __init__(self, cells: int):
+        self.waiting, self.arrived, self.lock = cells, set(), threading.Condition()
         self.timing_lock = threading.Lock()
 
     def arrive(self) -> None:
         with self.lock:
-            self.arrived.add(threading.get_ident())
+            self.arrived.add(_local.cell)
             self.lock.notify_all()
 
     @contextlib.contextmanager
@@ -206,7 +206,7 @@ class _Gate:
             yield
 
 
-_local = threading.local()  # `_local.gate`: a tune thread's _Gate
+_local = threading.local()  # `_local.gate`, `_local.cell`: a tune thread's _Gate and cell
 
 
 def measure(loop, state, tiers_: list[Tier], keys) -> dict[str, float]:
@@ -428,9 +428,9 @@ def tune(bundle, *, batch_sizes=(1, 8), temperatures=(0.0, 1.0), prompt_tokens: 
              for batch in batch_sizes for temperature in temperatures]
     gate, t0 = _Gate(len(cells)), time.perf_counter()
 
-    def one(cell):  # each cell compiles beside the others; the timing waits for every compile (`_Gate`)
-        batch, temperature, prompts = cell
-        _local.gate = gate
+    def one(index):  # each cell compiles beside the others; the timing waits for every compile (`_Gate`)
+        batch, temperature, prompts = cells[index]
+        _local.gate, _local.cell = gate, index
         try:
             run = Run(bundle, prompts, method="auto", max_new_tokens=256, temperature=temperature,
                       eos_token_id=[], exact=exact, remeasure=True, **({} if tiers is None else {"tiers": tiers}))
@@ -442,4 +442,4 @@ def tune(bundle, *, batch_sizes=(1, 8), temperatures=(0.0, 1.0), prompt_tokens: 
                 "fastest": settings["start"], "seconds": round(time.perf_counter() - t0, 1)}
 
     with concurrent.futures.ThreadPoolExecutor(len(cells)) as pool:
-        return list(pool.map(one, cells))
+        return list(pool.map(one, range(len(cells))))
