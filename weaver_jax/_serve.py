@@ -190,7 +190,7 @@ class Engine:
         nodes = self._nodes(first.settings, size)
         longest = max(_bucket(len(j.prompt), 64) for j in alike)
         new = min(new, max(first.max_tokens, self.context - longest - nodes))  # the context bounds the bucket
-        return self._make(first.settings, size, new, min(self.context, _bucket(longest + new + nodes, 256)))
+        return self._make(first.settings, size, new, min(self.context, _bucket(longest + new + nodes, 256)), nodes)
 
     def _grown(self, slots: Slots, more: int) -> Slots:
         """`slots` with rows for `more` sequences besides its own (a power of two, at most max_batch), those
@@ -199,9 +199,10 @@ class Engine:
         then those slots run on as they are until they drain (`growable`), as requests arriving apart would."""
         size = min(self.max_batch, _bucket(slots.size + more, 1))
         held = max((len(j.prompt) for j in slots.occupant if j is not None), default=0)
-        if self._room(slots) + slots.nodes - self._nodes(slots.key, size) < held:
+        nodes = self._nodes(slots.key, size)
+        if self._room(slots) + slots.nodes - nodes < held:
             return slots
-        bigger = self._make(slots.key, size, slots.settings["max_new_tokens"], slots.context)
+        bigger = self._make(slots.key, size, slots.settings["max_new_tokens"], slots.context, nodes)
         if not bigger.can_take(slots):
             slots.growable = False  # making the bigger slots again would cost a prefill (and auto's plan) per call
             return slots
@@ -214,11 +215,11 @@ class Engine:
         return tree_nodes(self.bundle, method, dict(options), sampled=temperature > 0, batch=size,
                           parameters=self.parameters)
 
-    def _make(self, settings: tuple, size: int, new: int, context: int) -> Slots:
+    def _make(self, settings: tuple, size: int, new: int, context: int, nodes: int) -> Slots:
         method, options, temperature, top_p, exact = settings
         slots = Slots(self.bundle, size, method=method, max_new_tokens=new, context=context,
                       temperature=temperature, top_p=top_p, exact=exact, **dict(options))
-        slots.key, slots.nodes, slots.growable = settings, self._nodes(settings, size), True
+        slots.key, slots.nodes, slots.growable = settings, nodes, True
         return slots
 
 

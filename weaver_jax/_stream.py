@@ -121,13 +121,12 @@ class Loop:
             weights, tree = _generate.weight_leaves(*args[:2], *(args[7:] or [None, None]))  # adapter, tables
             advance = spec_advance
         self.keys = batch_keys(method, args)
-        self._advances, self._compilers = {}, {}
+        self._calls = {}  # tier name -> (its programs, the advance, the weights)
         for tier in tiers or [None]:
             own = {} if tier is None else {"method": tier.method, "options": tier.options}
             programs = Programs(static | own | {"weights_tree": tree}, bundle.mesh is not None)
             self.programs.append(programs)
-            self._advances[tier and tier.name] = functools.partial(programs, advance, weights)
-            self._compilers[tier and tier.name] = functools.partial(programs.program, advance, weights)
+            self._calls[tier and tier.name] = programs, advance, weights
         self.bundle, self.pace = bundle, Pace(rounds_per_call, call_seconds)
         self._halt, self._rounds = Uploaded(functools.partial(_generate._on_mesh, bundle.mesh)), Uploaded()
         self._leave = Uploaded()
@@ -147,15 +146,17 @@ class Loop:
         `_generate.ASYNC_LOOP`), so the next can be sent before this one is read."""
         with _generate._mesh_scope(self.bundle):
             rounds = self._rounds(np.int32(rounds or self.pace.rounds))
-            return self._advances[tier](state, keys, self._halt(halted), rounds, self._leave(np.bool_(leave)))
+            programs, advance, weights = self._calls[tier]
+            return programs(advance, weights, state, keys, self._halt(halted), rounds, self._leave(np.bool_(leave)))
 
     def compile(self, state, keys, halted: np.ndarray, tiers: list[str]) -> None:
         """Compile these tiers' calls at once (threads: XLA compiles outside the GIL), running none."""
         halted, rounds, leave = self._halt(halted), self._rounds(np.int32(1)), self._leave(np.bool_(False))
 
         def one(tier):
+            programs, advance, weights = self._calls[tier]
             with _generate._mesh_scope(self.bundle):
-                self._compilers[tier](state, keys, halted, rounds, leave)
+                programs.program(advance, weights, state, keys, halted, rounds, leave)
 
         with concurrent.futures.ThreadPoolExecutor(len(tiers)) as pool:
             list(pool.map(one, tiers))
@@ -329,13 +330,6 @@ def insert_rows(state, new, rows):
                         state, new)
 
 
-@functools.partial(jax.jit, static_argnames=("rows",), donate_argnames=("state",))
-def take_rows(state, old, rows: int):
-    """`state` (a batch's loop state and keys) with its first `rows` rows and its scalars (loop counters) from
-    `old`'s, a smaller batch of the same settings: slots that grow while their sequences run."""
-    return jax.tree.map(lambda big, small: small if big.ndim == 0 else big.at[:rows].set(small[:rows]), state, old)
-
-
 class Slots:
     """Continuous batching over the static-shape loop: `size` rows of one set of settings, each free or held by
     a sequence; `insert` prefills prompts into free rows between calls (each its own seed, its own start: its
@@ -346,8 +340,6 @@ class Slots:
                  top_k=0, top_p=1.0, exact=False, rounds_per_call: int | None = None, **method_options):
         from weaver_jax import _auto
 
-        self.arguments = dict(method=method, max_new_tokens=max_new_tokens, context=context, temperature=temperature,
-                              top_k=top_k, top_p=top_p, exact=exact, rounds_per_call=rounds_per_call, **method_options)
         self.plan = self.autopilot = tiers = self.nodes = None
         if method == "auto":  # the rows share each call's tier (`Run`)
             self.plan = _auto.Plan(bundle, [[0]] * size, temperature, exact, method_options)
@@ -413,7 +405,9 @@ class Slots:
         """Move `other`'s sequences (`can_take`) into these slots' first rows, mid-sequence: their tokens stay
         those they would have had (a row's tokens do not depend on its batch)."""
         n = other.size
-        self.state, self.keys = take_rows((self.state, self.keys), (other.state, other.keys), n)
+        extra = other.keys.shape[0] - n  # a mesh's fill-up of the smaller batch
+        self.state, self.keys = insert_rows((self.state, self.keys), (other.state, other.keys),
+                                            jnp.asarray(list(range(n)) + [self.size] * extra))
         self.occupant[:n], self.halted[:n] = other.occupant, other.halted
         self._first = dict(other._first)
 
