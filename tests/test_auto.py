@@ -21,7 +21,7 @@ def costs(tmp_path, monkeypatch):
 
     def keep(ms: dict, sampled: bool = False, batch: int = 2, tiers=None):
         made = tiers_of(sampled, batch, tiers)
-        _auto.keep_costs(bundle(), made, {t.name: ms[t.method] for t in made}, sampled=sampled, exact=False,
+        _auto.keep_costs(bundle(), made, {t.name: ms[t.method] / 1e3 for t in made}, sampled=sampled, exact=False,
                          batch=batch)
         return path
 
@@ -50,11 +50,13 @@ def cycling(monkeypatch):
 def test_switching_tiers_every_call_emits_what_ar_emits(costs, cycling, temperature):
     """Greedy tokens equal `ar`'s and sampled ones are seed-identical to it across switches in both directions
     (plain steps between drafted rounds: the drafter's context and Weaver's root state stay in step)."""
-    costs({"ar": 1.0, "dflash": 1.5, "weaver": 2.0}, sampled=temperature > 0)
+    path = costs({"ar": 1.0, "dflash": 1.5, "weaver": 2.0}, sampled=temperature > 0)
     options = dict(max_new_tokens=NEW, temperature=temperature, seed=3)
     got = wj.generate(bundle(), PROMPTS, method="auto", **options)
     assert got.tokens == wj.generate(bundle(), PROMPTS, method="ar", **options).tokens
     settings = got.stats["settings"]
+    spread = _auto.cost_key(bundle(), _auto.Tier("spread", (), (), 0), sampled=temperature > 0, exact=False, batch=2)
+    assert settings["spread"] == 1.0 and 0.5 <= json.loads(path.read_text())[spread] <= 1.0  # kept for the next
     assert settings["tiers"] == ["ar", "dflash", "weaver-24"] and not settings["measured_now"]
     assert all(settings["rounds"][name] > 0 for name in settings["tiers"]), settings["rounds"]
     assert got.stats["new_tokens"] == sum(map(len, got.tokens)) and "options" not in got.stats
@@ -100,15 +102,15 @@ def test_tune_measures_every_cell_at_once_and_keeps_the_times(costs):  # costs: 
 
 def test_the_autopilot_follows_acceptance_and_tries_drafting_again():
     ar, dflash, weaver = tiers_of(batch=1)
-    pilot = _auto.Autopilot([ar, dflash, weaver], {"ar": 1.0, "dflash": 1.6, "weaver-24": 2.0}, False, False)
+    pilot = _auto.Autopilot([ar, dflash, weaver], {"ar": 1e-3, "dflash": 1.6e-3, "weaver-24": 2e-3}, False, False)
     rounds = []
-    for _ in range(3):
+    for _ in range(5):
         assert pilot.next() is weaver  # the prior: τ 3.7 / 2.0 beats 2.78 / 1.6 and 1 / 1
         rounds.append(pilot.rounds_per_call())
-    assert rounds == [2, 4, 8]
+    assert rounds == [2, 4, 8, 16, _auto.CALL_SECONDS // 2e-3]  # doubling up to a call of about CALL_SECONDS
     for _ in range(2):  # two chunks at τ 1.125 (the sequence that ended is left out)
         pilot.observe(weaver, 8, [9, 30], [True, False])
-    assert pilot.next() is ar and pilot.switches[-1] == {"call": 3, "from": "weaver-24", "to": "ar",
+    assert pilot.next() is ar and pilot.switches[-1] == {"call": 5, "from": "weaver-24", "to": "ar",
                                                           "predicted_tau": 1.0}
     calls = 0
     while pilot.next() is ar:  # plain chunks say nothing of the drafts: the prior comes back, drafting is retried
@@ -138,6 +140,12 @@ def test_in_lockstep_the_slowest_sequence_sets_the_pace():
     assert pilot.settings()["slowest_predictability"] < 0.25 < pilot.settings()["predictability"]
     pilot.observe(ar, 8, [8, 8], [True, False])  # the slow one has ended: the fast one sets the pace
     assert pilot.next() is weaver
+    spread = pilot.learned_spread()  # what the next batch of this size starts from: halfway to what this saw
+    assert spread == pytest.approx(0.5 + 0.5 * (8 * 0.926 / 32) / 0.926, abs=1e-3)  # slowest 0 over 24 rounds
+    for lockstep, spread, start in ((True, spread, weaver), (True, 0.2, ar), (False, 0.2, weaver)):
+        later = _auto.Autopilot([ar, dflash, weaver], {"ar": 1.0, "dflash": 1.6, "weaver-24": 2.0}, False, False,
+                                lockstep=lockstep, spread=spread)  # slots (not lockstep): rows are replaced
+        assert later.next() is start and later.pace() == pytest.approx(spread if lockstep else 1.0)
 
 
 def test_auto_options_are_checked():

@@ -11,7 +11,9 @@ The choice: a tier's speed is its tokens per round (τ) over its round time. Rou
 measured on this device per tier and batch-size bucket (`tune`, or a call's first use: its tiers timed on copies
 of its prefilled state) and kept on disk. τ starts at the shipped pair's measured figure (`PRIOR_TAU`) and follows
 the text: one shared factor `predictability` scales every speculative tier's τ - 1 (what the drafts earn beyond
-the bonus token), an average over the chunks that drafted. When no speculative tier is predicted to beat plain
+the bonus token), an average over the chunks that drafted; a `generate` batch, whose rounds are its slowest
+sequence's, goes by its slowest sequence's factor (before any has drafted: the batch's x the `spread` between
+slowest and mean that earlier batches of its size showed). When no speculative tier is predicted to beat plain
 decoding for the whole call, it runs `ar`'s own program (no drafter work at all: a CPU, where every round costs
 several steps).
 """
@@ -39,8 +41,13 @@ PRIOR_TAU = {"dflash": {16: (2.78, 1.69)},
              "weaver": {12: (3.36, 2.40), 16: (3.42, 2.47), 24: (3.70, 2.64), 32: (4.01, 2.77), 64: (4.34, 3.09)}}
 DDTREE_TAU = 0.9  # DDTree's τ against Weaver's at one budget (0.86-0.92 on the full held-out protocol)
 DEFAULT_TIERS = ("dflash", "weaver")  # besides plain decoding, which is always a tier
-ROUNDS_PER_CALL = 8  # short calls: the choice follows the text (sent ahead, a call's host cost is hidden)
-FIRST_ROUNDS = 2  # the first calls shorter still (2, 4, then 8): a call is chosen before the last is read
+# A call's rounds: about CALL_SECONDS at its tier's round time. A call costs ~1.7 ms on an H200 besides its rounds
+# (outside its loop, BENCHMARKS): calls of 8 rounds made auto 0.87x the Weaver tier it ran (B = 1, T = 1) and
+# 0.84x `ar` at B = 32; at 40 ms the cost is ~4% and the choice still follows the text (a 256-token sequence is
+# a handful of calls).
+CALL_SECONDS = 0.04
+FIRST_ROUNDS = 2  # the first calls shorter (2, 4, 8, ...): the acceptance is seen early, a call is chosen
+# before the last is read
 WEIGHT = 0.5  # a drafted chunk's weight in the running predictability
 RELAX = 0.05  # per plain chunk, the predictability's way back to the prior: speculation is tried again
 SWITCH = 1.03  # another tier replaces the running one when predicted this much faster
@@ -269,10 +276,12 @@ class Autopilot:
     for a drafting tier and 1 for plain decoding; `observe` each call's tokens. -> `settings()` for the stats.
     lockstep: a batch that ends with its last sequence (`generate`'s, not the server's slots): its rounds are
     those of its slowest sequence, so the predictability that sets the pace is the least of its sequences'
-    (measured on an H200 at B = 32: Weaver's mean τ 3.7, its slowest sequence's 2.3, and 0.87x `ar`)."""
+    (measured on an H200 at B = 32: Weaver's mean τ 3.7, its slowest sequence's 2.3, and 0.87x `ar`); before
+    its sequences have drafted, the batch's predictability x `spread` (what earlier batches of this size saw: their
+    slowest sequence's predictability over their mean's)."""
 
     def __init__(self, tiers_: list[Tier], costs: dict[str, float], sampled: bool, measured: bool,
-                 predictability: float = 1.0, lockstep: bool = False):
+                 predictability: float = 1.0, lockstep: bool = False, spread: float = 1.0):
         if costs.get("ar") is None:  # nothing measured (a call too short to time): plain steps
             costs = {"ar": 1.0}
         self.tiers = [t for t in tiers_ if costs.get(t.name) is not None]
@@ -280,6 +289,7 @@ class Autopilot:
         self.prior = self.predictability = predictability  # the calls before this one's (1: the prior τ as is)
         self.seen = [0.0, 0]  # drafted chunks' predictability x rounds, rounds
         self.lockstep, self.sequences, self.running = lockstep, None, None  # lockstep: `seen` per sequence [B, 2]
+        self.spread = spread if lockstep else 1.0
         self.calls = 0
         self.current = max(self.tiers, key=self.speed)
         self.start = self.current
@@ -290,10 +300,17 @@ class Autopilot:
         """The predictability that sets the pace: the batch's, or in lockstep its slowest running sequence's
         (each sequence's drafted chunks so far, shrunk toward the batch's by SHRINK rounds: a short run of bad
         luck is not a slow sequence)."""
-        if not self.lockstep or self.sequences is None or not self.running.any():
+        if not self.lockstep:
             return self.predictability
-        seen, rounds = self.sequences[self.running].T
-        return float(np.min((seen + SHRINK * self.predictability) / (rounds + SHRINK)))
+        if self.sequences is None:
+            return self.predictability * self.spread
+        if not self.running.any():
+            return self.predictability
+        return self._slowest(self.running, self.predictability)
+
+    def _slowest(self, rows, center: float) -> float:
+        seen, rounds = self.sequences[rows].T
+        return float(np.min((seen + SHRINK * center) / (rounds + SHRINK)))
 
     def tau(self, tier: Tier) -> float:
         return 1.0 + (tier.prior(self.sampled) - 1.0) * self.pace()
@@ -317,8 +334,11 @@ class Autopilot:
         return self.current
 
     def rounds_per_call(self) -> int:
-        """The rounds of the call `next` just chose: FIRST_ROUNDS, doubling up to ROUNDS_PER_CALL."""
-        return min(ROUNDS_PER_CALL, FIRST_ROUNDS << max(self.calls - 1, 0))
+        """The rounds of the call `next` just chose: FIRST_ROUNDS, doubling up to about CALL_SECONDS' worth."""
+        from weaver_jax._generate import MAX_ROUNDS_PER_CALL
+
+        full = int(np.clip(CALL_SECONDS / self.costs[self.current.name], 1, MAX_ROUNDS_PER_CALL))
+        return min(full, FIRST_ROUNDS << max(self.calls - 1, 0))
 
     def observe(self, tier: Tier, rounds: int, new_tokens: list[int], running: list[bool]) -> None:
         """A call of `tier` ran `rounds` rounds; the sequences still `running` after it emitted `new_tokens` each
@@ -348,24 +368,35 @@ class Autopilot:
         """The prior for this device's next call: halfway from this call's to what its drafted chunks saw."""
         return None if not self.seen[1] else 0.5 * self.prior + 0.5 * self.seen[0] / self.seen[1]
 
+    def learned_spread(self) -> float | None:
+        """Lockstep: the next batch's `spread`, halfway from this one's to what its sequences showed (the slowest
+        one's predictability over the batch's, every sequence that drafted counted)."""
+        if not self.lockstep or self.sequences is None or not self.seen[0]:
+            return None
+        mean = self.seen[0] / self.seen[1]
+        slowest = self._slowest(self.sequences[:, 1] > 0, mean)
+        return 0.5 * self.spread + 0.5 * float(np.clip(slowest / mean, 0.0, 1.0))
+
     def settings(self) -> dict:
         return {"method": "auto", "tiers": [t.name for t in self.tiers], "start": self.start.name,
                 "switches": self.switches, "rounds": dict(self.rounds), "calls": self.calls,
                 "round_ms": {k: None if v is None else round(v * 1e3, 4) for k, v in self.costs.items()},
                 "measured_now": self.measured, "predictability": round(self.predictability, 3),
-                **({"slowest_predictability": round(self.pace(), 3)} if self.lockstep else {})}
+                **({"slowest_predictability": round(self.pace(), 3), "spread": round(self.spread, 3)}
+                   if self.lockstep else {})}
 
 
 class Plan:
     """method="auto" for one batch: its tiers and their round times (kept on disk, else measured by `autopilot` on
     the prefilled state), and whether plain decoding is predicted fastest outright, in which case the call runs
     `ar`'s own programs (`method` "ar", `loop_tiers` None). Otherwise `method` and `request` are the prefill's (a
-    Weaver tier's when there is one: it keeps the root's state) and `nodes` the largest tree."""
+    Weaver tier's when there is one: it keeps the root's state) and `nodes` the largest tree. lockstep: a batch
+    whose rounds are its slowest sequence's (`generate`'s of more than one prompt: `Autopilot`)."""
 
-    def __init__(self, bundle, prompts, temperature, exact: bool, options: dict):
+    def __init__(self, bundle, prompts, temperature, exact: bool, options: dict, lockstep: bool = False):
         from weaver_jax._generate import split, target_parameters
 
-        self.bundle, self.exact, self.batch = bundle, exact, len(prompts)
+        self.bundle, self.exact, self.batch, self.lockstep = bundle, exact, len(prompts), lockstep
         self.options = options
         self.sampled = float(temperature) > 0
         parameters = target_parameters(split(bundle.target)[1])
@@ -380,8 +411,11 @@ class Plan:
                 bundle, self.tiers, sampled=self.sampled, exact=exact, batch=self.batch, kept=kept)
         self.learned = predictability_key(bundle, sampled=self.sampled, exact=exact)
         self.predictability = kept.get(self.learned, 1.0)
+        self.learned_spread = cost_key(bundle, Tier("spread", (), (), 0), sampled=self.sampled, exact=exact,
+                                       batch=self.batch)
+        self.spread = kept.get(self.learned_spread, 1.0) if lockstep else 1.0
         plain = self.costs is not None and Autopilot(self.tiers, self.costs, self.sampled, False,
-                                                     self.predictability).plain_wins()
+                                                     self.predictability, lockstep, self.spread).plain_wins()
         if plain:
             self.method, self.request, self.loop_tiers, self.nodes = "ar", {}, None, None
         else:
@@ -389,29 +423,35 @@ class Plan:
             self.method, self.request, self.loop_tiers = first.method, dict(first.request), self.tiers
             self.nodes = max(t.nodes for t in self.tiers)
 
-    def autopilot(self, loop, state, lockstep: bool = False) -> Autopilot:
-        """The call's `Autopilot` (`lockstep`: a `generate` batch), its tiers' round times measured first on
-        copies of `state` where none are kept (and kept for the next call, in this process and others)."""
+    def autopilot(self, loop, state) -> Autopilot:
+        """The call's `Autopilot`, its tiers' round times measured first on copies of `state` where none are kept
+        (and kept for the next call, in this process and others)."""
         costs, measured = self.costs, self.costs is None
         if measured:
             costs = measure(loop, state, self.tiers, loop.keys)
             if costs:
                 keep_costs(self.bundle, self.tiers, costs, sampled=self.sampled, exact=self.exact, batch=self.batch)
                 self.costs = costs
-        return Autopilot(self.tiers, costs, self.sampled, measured, self.predictability, lockstep)
+        return Autopilot(self.tiers, costs, self.sampled, measured, self.predictability, self.lockstep, self.spread)
 
     def remember(self, autopilot: Autopilot) -> None:
         """Keep what the call's drafted chunks saw as the next calls' prior (a device and text where drafts earn
-        less than the shipped pair's τ soon runs plain decoding outright)."""
-        learned = autopilot.learned()
+        less than the shipped pair's τ soon runs plain decoding outright), and in lockstep the spread between its
+        slowest sequence and its mean for the next batch of its size."""
+        learned, spread = autopilot.learned(), autopilot.learned_spread()
+        kept = {}
         if learned is not None:
-            self.predictability = learned
-            write_costs({self.learned: round(learned, 4)})
+            self.predictability = kept[self.learned] = round(learned, 4)
+        if spread is not None:
+            self.spread = kept[self.learned_spread] = round(spread, 4)
+        if kept:
+            write_costs(kept)
 
     def settings(self) -> dict:
         """The stats' `settings` when plain decoding ran outright."""
         return {"method": "auto", "tiers": [t.name for t in self.tiers], "start": "ar", "switches": [],
                 "plain_program": True, "predictability": round(self.predictability, 3),
+                **({"spread": round(self.spread, 3)} if self.lockstep else {}),
                 "round_ms": {k: None if v is None else round(v * 1e3, 4) for k, v in self.costs.items()}}
 
 

@@ -549,8 +549,8 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     if method == "auto":
         from weaver_jax._auto import Plan
 
-        plan = Plan(bundle, validate_prompts(prompts, bundle.target.config.vocab_size), temperature, exact,
-                    method_options)
+        prompts = validate_prompts(prompts, bundle.target.config.vocab_size)
+        plan = Plan(bundle, prompts, temperature, exact, method_options, lockstep=len(prompts) > 1)
         if plan.loop_tiers is None and stop is None:  # plain decoding predicted fastest: its whole-call program
             result = generate(bundle, prompts, method="ar", **options)
             result.stats["settings"] = plan.settings()

@@ -237,7 +237,8 @@ class Run:
 
         self.plan, self.autopilot, tiers, nodes = None, None, None, None
         if method == "auto":  # the tiers' programs over one speculative state, unless plain decoding wins outright
-            self.plan = plan or _auto.Plan(bundle, prompts, temperature, exact, method_options)
+            self.plan = plan or _auto.Plan(bundle, prompts, temperature, exact, method_options,
+                                           lockstep=len(prompts) > 1)
             method, method_options, tiers, nodes = self.plan.method, self.plan.request, self.plan.loop_tiers, \
                 self.plan.nodes
         _, static, args = _generate._prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
@@ -253,7 +254,7 @@ class Run:
         self.t0, self.compiled_before = time.perf_counter(), 0.0
         self.state = self.loop.start(args)
         if tiers:
-            self.autopilot = self.plan.autopilot(self.loop, self.state, lockstep=self.real > 1)
+            self.autopilot = self.plan.autopilot(self.loop, self.state)
             # a first use's measurement is not the run's time
             self.t0, self.compiled_before = time.perf_counter(), self.loop.compile_seconds
         self.seconds = 0.0
