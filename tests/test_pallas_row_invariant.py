@@ -5,6 +5,8 @@ shuffled, a tree node's attention against the same node decoded alone after its 
 Both kernels lower for CUDA (Triton) at the library's shapes."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -104,3 +106,18 @@ def test_attention_lowers_for_cuda(b, t, h, kv, d, s):
                    *(jax.ShapeDtypeStruct((b, s, kv, d), jnp.bfloat16) for _ in range(2)),
                    jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
                    jax.ShapeDtypeStruct((b, t, t), jnp.int32))
+
+
+def test_a_first_kernel_trace_leaves_jax_trace_context_as_it_was():
+    """A kernel lowered inside a jitted function for the first time in a process does not change jax's trace
+    context (a lazily imported module of Pallas adds a flag to it), so the function's second call does not trace
+    and compile it again."""
+    code = ("import jax, jax.numpy as jnp\n"
+            "from weaver_jax.pallas_kernels import interpret\n"
+            "from weaver_jax.pallas_kernels.row_invariant import matmul\n"
+            "f = jax.jit(lambda x, w: matmul(x, w, interpret=interpret()))\n"
+            "x, w = jnp.ones((2, 64)), jnp.ones((64, 64))\n"
+            "f(x, w); f(x, w)\n"
+            "assert f._cache_size() == 1, f._cache_size()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
