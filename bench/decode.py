@@ -130,6 +130,24 @@ def decode_seconds(target, batch: int, context: int, cache_size: int, new_tokens
     return (long - short) / new_tokens, short
 
 
+def looped_step_seconds(target, batch: int, context: int, cache_size: int, exact: bool, repeats: int) -> float:
+    """One decode step (forward of one token per sequence, its commit, the argmax) inside a loop, from a cache
+    at `context` (its contents do not change the time), no prefill: exact mode's step against the default one
+    at a shape whose exact prefill (token by token through every GDN layer) is slow to time."""
+    graphdef, params = nnx.split(target)
+    cache = target.init_cache(batch, cache_size).with_lengths(jnp.full((batch,), context))
+
+    def body(carry, params):
+        tokens, cache = carry
+        model = nnx.merge(graphdef, params)
+        out = model(tokens[:, None], cache.lengths[:, None], cache, exact=exact)
+        ones = jnp.ones((batch,), jnp.int32)
+        cache = model.commit(out.cache, out.pending, jnp.zeros((batch, 1), jnp.int32), ones)
+        return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), cache
+
+    return _looped_seconds(body, (jnp.zeros((batch,), jnp.int32), cache), params, 16, repeats)
+
+
 def kernels_per_step(target, batch: int, context: int, cache_size: int) -> int:
     """Kernels launched per decode step: fusions and custom calls in the compiled while-loop body."""
     graphdef, params = nnx.split(target)
@@ -177,6 +195,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--exact", action="store_true", help="also time exact mode's decode step (issue 42: "
                         "against the default step of the same run)")
+    parser.add_argument("--steps-only", action="store_true", help="with --exact: only the looped decode step, "
+                        "default and exact, from a cache at --context (no floor, no prefill)")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -188,6 +208,16 @@ def main():
     print(f"# {args.shape} {dtype} on {jax.devices()[0].device_kind}; init {time.perf_counter() - t0:.1f}s", flush=True)
     rows = []
     for b in args.batch:
+        if args.steps_only:
+            default, exact = (looped_step_seconds(target, b, args.context, args.cache, e, args.repeats)
+                              for e in (False, True))
+            rows.append(dict(shape=args.shape, dtype=dtype, batch=b, context=args.context, step_ms=default * 1e3,
+                             exact_step_ms=exact * 1e3, exact_over_default=exact / default, label=args.label,
+                             device=jax.devices()[0].device_kind, jax=jax.__version__))
+            print(json.dumps(rows[-1]), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+            continue
         floors = floor_seconds(target, b, args.repeats)
         floor, nbytes = min(floors["floor_matvec"], floors["floor_read"]), floors["weight_bytes"]
         decode, prefill = decode_seconds(target, b, args.context, args.cache, args.new_tokens, args.repeats)
@@ -209,6 +239,8 @@ def main():
                               "exact_over_default": row["exact_over_default"]}), flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
+    if args.steps_only:
+        return
     print(f"{'shape':>13} {'B':>3} {'matvec ms':>9} {'read ms':>8} {'TB/s':>5} {'decode ms':>9} {'x floor':>7} "
           f"{'step ms':>8} {'tok/s':>9} {'kernels':>7}")
     for r in rows:
