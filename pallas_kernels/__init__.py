@@ -34,11 +34,12 @@ import contextlib
 import os
 
 import jax
-# Up front: importing Pallas's fuser adds a flag to jax's trace context, and jax imports it lazily while lowering
-# a kernel, so inside a trace it changed the context between a jitted function's first call and its second, which
-# then traced and compiled it again (exact `ar_generate`: each program compiled twice).
-import jax.experimental.pallas.fuser  # noqa: F401
+import jax.experimental.pallas.fuser  # noqa: F401  (up front, below)
 import jax.numpy as jnp
+
+# Pallas's fuser is imported up front: importing it adds a flag to jax's trace context, and jax imports it lazily
+# while lowering a kernel, so inside a trace it changed the context between a jitted function's first call and its
+# second, which then traced and compiled it again (exact `ar_generate`: each program compiled twice).
 
 # A masked attention score: finite, so exp(MASKED_SCORE - m) is 0 without NaNs (shared by the kernels)
 MASKED_SCORE = 0.7 * float(jnp.finfo(jnp.float32).min)

@@ -142,10 +142,10 @@ def test_in_lockstep_the_slowest_sequence_sets_the_pace():
     assert pilot.next() is weaver
     spread = pilot.learned_spread()  # what the next batch of this size starts from: halfway to what this saw
     assert spread == pytest.approx(0.5 + 0.5 * (8 * 0.926 / 32) / 0.926, abs=1e-3)  # slowest 0 over 24 rounds
-    for lockstep, spread, start in ((True, spread, weaver), (True, 0.2, ar), (False, 0.2, weaver)):
+    for lockstep, given, start in ((True, spread, weaver), (True, 0.2, ar), (False, 0.2, weaver)):
         later = _auto.Autopilot([ar, dflash, weaver], {"ar": 1.0, "dflash": 1.6, "weaver-24": 2.0}, False, False,
-                                lockstep=lockstep, spread=spread)  # slots (not lockstep): rows are replaced
-        assert later.next() is start and later.pace() == pytest.approx(spread if lockstep else 1.0)
+                                lockstep=lockstep, spread=given)  # slots (not lockstep): rows are replaced
+        assert later.next() is start and later.pace() == pytest.approx(given if lockstep else 1.0)
 
 
 def test_auto_options_are_checked():
