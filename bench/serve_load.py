@@ -9,7 +9,10 @@ chat requests from C client threads (the official `openai` client), T = 0, EOS o
 call, and for method="auto" what its last slots chose. The server compiles its programs for T = 0 first
 (`warmup`), and one untimed round of C requests precedes the timed ones. As the
 baseline, one `generate` call on the same prompts (the first `--max-batch` of them as one batch) gives tokens/s
-for `vs_generate_batch`. It stops by itself.
+for `vs_generate_batch`. `steady_tokens_per_second`: the rate while all C clients are in flight (from the C-th
+request's start to the first reply after the last request went out; each reply's tokens spread evenly over its
+request's time), without the slots' filling at the start and draining at the end, which a run of a few requests
+per client weighs heavily. It stops by itself.
 """
 
 from __future__ import annotations
@@ -40,6 +43,20 @@ REQUESTS = [
     "List five uses for a paperclip.", "Describe the water cycle for a child.",
     "What makes a good password?", "Draft a polite email declining a meeting.",
 ]
+
+
+def steady_rate(spans: list[tuple[float, float, int]], concurrency: int) -> float | None:
+    """Tokens/s while every client has a request in flight: spans are (start, end, tokens) per request, in the
+    order sent; the window runs from the `concurrency`-th start to the first end after the last start."""
+    starts = sorted(s for s, _, _ in spans)
+    if len(spans) <= concurrency:
+        return None
+    begin = starts[concurrency - 1]
+    end = min(e for _, e, _ in spans if e >= starts[-1])
+    if end <= begin:
+        return None
+    tokens = sum(n * max(0.0, min(e, end) - max(s, begin)) / (e - s) for s, e, n in spans if e > s)
+    return tokens / (end - begin)
 
 
 def start(app) -> tuple[uvicorn.Server, int]:
@@ -79,7 +96,7 @@ def main():
             reply = client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}],
                 max_tokens=args.max_tokens, temperature=0)
-            return time.perf_counter() - t0, reply.usage.completion_tokens
+            return t0, time.perf_counter(), reply.usage.completion_tokens
 
         prompts = [bundle.tokenizer.apply_chat_template([{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}])
                    for i in range(args.max_batch)]
@@ -94,8 +111,9 @@ def main():
                 results = list(pool.map(one, range(args.requests)))
                 seconds = time.perf_counter() - t0
                 compiled = len(_generate._COMPILED) - programs  # compiled while timed (batch sizes not warmed)
-            latencies = sorted(r[0] for r in results)
-            tokens = sum(r[1] for r in results)
+            latencies = sorted(end - begin for begin, end, _ in results)
+            tokens = sum(r[2] for r in results)
+            steady = steady_rate(results, concurrency)
             rows_per_call = collections.Counter(app.engine.batch_sizes[calls:])  # the slots' rows in use per call
             slots = app.engine.slots
             pilot = slots and slots.autopilot  # method="auto": what its last slots chose and saw
@@ -106,6 +124,7 @@ def main():
                              p50_seconds=statistics.median(latencies),
                              p99_seconds=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
                              generate_batch_tokens_per_second=base, vs_generate_batch=tokens / seconds / base,
+                             steady_tokens_per_second=steady, steady_vs_generate_batch=steady and steady / base,
                              max_batch=args.max_batch, compiled_while_timed=compiled,
                              slot_call_seconds=args.slot_call_seconds,
                              device=jax.devices()[0].device_kind))
