@@ -75,6 +75,7 @@ for method, options in (("ar", {}), ("weaver", {"budget": budget})):
     tau = f", tau {s['mean_accepted_length']:.2f}" if method != "ar" else ""
     print(f"--- {method}: {s['tokens_per_second']:.1f} tokens/s{tau}\n{text}\n")
 assert results["ar"].tokens == results["weaver"].tokens
+assert results["weaver"].stats["mean_accepted_length"] > 1.2  # the shipped drafter and adapter are trained
 print("identical:", results["ar"].tokens == results["weaver"].tokens)
 
 # %% [markdown]
