@@ -38,7 +38,7 @@ SHAPES = {"qwen3-8b": wj.qwen3_8b, "smollm2-135m": wj.smollm2_135m,
 
 
 def timed(fn, repeats: int) -> list[float]:
-    for _ in range(2):  # warm-up (and compile); a first exact-mode run after compiling measured seconds slower
+    for _ in range(2):  # warm-up (and compile), twice: a second call that compiles again is not timed either
         jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
