@@ -133,7 +133,7 @@ assert out.returncode == 2 and not (work / "broken-out").exists()
 # ## The SmolLM2 GGUF
 # Dequantized with `gguf`, llama q/k permutation undone; the tokenizer and chat template come along.
 
-# %%
+# %% tags=["ci-skip"]
 from weaver_jax._load import _smollm2_gguf  # noqa: E402
 
 gguf_path = _smollm2_gguf()  # downloaded and cached on first use
@@ -145,7 +145,7 @@ assert out.returncode == 0
 # %% [markdown]
 # The same from Python: dequantize, then write the checkpoint with the tokenizer.
 
-# %%
+# %% tags=["ci-skip"]
 from weaver_jax.convert import gguf  # noqa: E402
 
 smol_target = gguf.load_gguf_target(gguf_path, "float32")
@@ -153,7 +153,7 @@ smol_tokenizer = weaver_jax.Tokenizer.from_gguf_metadata(gguf.open_gguf(gguf_pat
 checkpoint.save(work / "smollm2-py", smol_target, smol_tokenizer)
 print(sorted(p.name for p in (work / "smollm2-py").iterdir()))
 
-# %%
+# %% tags=["ci-skip"]
 smol = weaver_jax.load(work / "smollm2")
 messages = [{"role": "user", "content": "What is the capital of France?"}]
 ids = smol.tokenizer.apply_chat_template(messages)
