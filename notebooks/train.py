@@ -45,7 +45,6 @@ if importlib.util.find_spec("weaver_jax") is None:
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"weaver-jax[model,notebooks] @ {spec}"])
 
 # %%
-import dataclasses  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -69,7 +68,7 @@ def loaded(**parts):
     bundle = weaver_jax.load("smollm2-135m-instruct", dtype="float32", **parts)
     if SMALL:
         bundle.target.layers = nnx.List(list(bundle.target.layers)[:6])
-        bundle.target.config = dataclasses.replace(bundle.target.config, num_layers=6)
+        bundle.target.config = bundle.target.config.replace(num_layers=6)
     return bundle
 
 

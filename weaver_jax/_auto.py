@@ -411,9 +411,9 @@ class Plan:
                 bundle, self.tiers, sampled=self.sampled, exact=exact, batch=self.batch, kept=kept)
         self.learned = predictability_key(bundle, sampled=self.sampled, exact=exact)
         self.predictability = kept.get(self.learned, 1.0)
-        self.learned_spread = cost_key(bundle, Tier("spread", (), (), 0), sampled=self.sampled, exact=exact,
-                                       batch=self.batch)
-        self.spread = kept.get(self.learned_spread, 1.0) if lockstep else 1.0
+        self.spread_key = cost_key(bundle, Tier("spread", (), (), 0), sampled=self.sampled, exact=exact,
+                                   batch=self.batch)
+        self.spread = kept.get(self.spread_key, 1.0)  # what the Autopilot uses in lockstep only
         plain = self.costs is not None and Autopilot(self.tiers, self.costs, self.sampled, False,
                                                      self.predictability, lockstep, self.spread).plain_wins()
         if plain:
@@ -443,7 +443,7 @@ class Plan:
         if learned is not None:
             self.predictability = kept[self.learned] = round(learned, 4)
         if spread is not None:
-            self.spread = kept[self.learned_spread] = round(spread, 4)
+            self.spread = kept[self.spread_key] = round(spread, 4)
         if kept:
             write_costs(kept)
 
