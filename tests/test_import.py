@@ -91,6 +91,19 @@ def write_gguf(path: Path, cfg, weights: dict, arch: str, quantize: bool = False
     w.close()
 
 
+def assert_read_as_gguf_reads(path: Path) -> None:
+    """The fast header walk (`open_gguf`) finds what gguf's own reader finds: metadata, shapes, types, data."""
+    import gguf
+
+    f, reader = gguf_convert.open_gguf(path), gguf.GGUFReader(path)
+    assert f.metadata == {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
+    assert f.tensor_shapes == {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    for t in reader.tensors:
+        assert f.tensor_places[t.name][0] == t.tensor_type
+        data = f.tensor_data(t.name)
+        assert data.dtype == t.data.dtype and data.shape == t.data.shape and np.array_equal(data, t.data)
+
+
 @pytest.mark.parametrize("name,arch", [("llama_tied", "llama"), ("llama3", "llama"), ("qwen2", "qwen2")])
 def test_gguf_round_trip_matches_reference(tmp_path, name, arch):
     cfg, weights, _ = make_pair(name, seed=21)
@@ -98,9 +111,7 @@ def test_gguf_round_trip_matches_reference(tmp_path, name, arch):
         cfg = cfg.replace(rope_scaling=None)
     path = tmp_path / "tiny.gguf"
     write_gguf(path, cfg, weights, arch)
-    f = gguf_convert.open_gguf(path)  # the fast header walk reads what gguf's reader reads
-    assert f.metadata == {k: v.contents() for k, v in f.reader.fields.items() if not k.startswith("GGUF.")}
-    assert f.tensor_shapes == {t.name: tuple(int(d) for d in t.shape) for t in f.reader.tensors}
+    assert_read_as_gguf_reads(path)
     target = gguf_convert.load_gguf_target(path)
     assert target.config.tie_embeddings == cfg.tie_embeddings and target.config.qkv_bias == cfg.qkv_bias
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 10))
@@ -112,6 +123,7 @@ def test_gguf_quantized_tensors_are_dequantized(tmp_path):
     cfg, weights, _ = make_pair("llama_tied", seed=22, hidden_size=64, intermediate_size=64)
     path = tmp_path / "q8.gguf"
     write_gguf(path, cfg, weights, "llama", quantize=True)
+    assert_read_as_gguf_reads(path)
     target = gguf_convert.load_gguf_target(path)
     ids = np.arange(8)[None]
     ref, _ = reference.forward(cfg, weights, ids[0])
