@@ -25,6 +25,7 @@ jax.config.update("jax_default_matmul_precision", "highest")  # float32 products
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]  # ragged, and 3 rows: padded over `data`
 BUNDLE = random_bundle(0, num_heads=8, num_kv_heads=4, intermediate_size=128, eos_token_ids=(5,))
+HYBRID = random_bundle(2, family="qwen3_5", eos_token_ids=(5,))  # two GDN layers, one gated attention
 
 
 def mesh(data: int, model: int):
@@ -46,8 +47,8 @@ def check(condition, what):
 def greedy_equals_unsharded():
     """Every method's greedy tokens on each mesh are the unsharded bundle's (float32)."""
     # (1, 8) does not divide this target's 4 KV heads (layout_and_errors); (1, 1) runs on the GPU (BENCHMARKS.md,
-    # bench/sharding.py); weaver on (2, 2) runs with the kernels (kernels_run_per_shard). no_weight_is_gathered
-    # reads the (2, 2) programs.
+    # bench/sharding.py); weaver on (2, 2): sampled (sampled_is_seed_identical), and on the hybrid target with the
+    # kernels (kernels_run_per_shard). no_weight_is_gathered reads the (2, 2) programs.
     cases = {(2, 2): ["ar"], (2, 1): ["weaver"], (1, 2): ["dflash", "ddtree"], (2, 4): ["ar"]}
     reference = {m: tokens(BUNDLE, m) for m in ("ar", "dflash", "ddtree", "weaver")}
     for shape, methods in cases.items():
@@ -77,25 +78,27 @@ def streaming_and_serving_slots_run_sharded():
     check([got["a"], got["b"]] == want[:2], "dflash slots (2, 2)")
 
 
+def sharded_hybrid():
+    return weaver_jax.shard(HYBRID, mesh(2, 2), replicate=("drafter", "adapter"))
+
+
 def kernels_run_per_shard():
-    """The Pallas kernels (interpret mode here) forced on, as a GPU runs them: each runs per device under
-    `shard_map` on its sequences and heads (tree and adapter attention, the acceptance walk and K/V moves, the
-    tree GDN), and the tokens are the unsharded XLA path's. The hybrid Gated DeltaNet target (two GDN layers,
-    one gated attention) has its GDN layers split by key / value heads, the recurrent and conv states with them."""
+    """The Pallas kernels (interpret mode here) forced on, as a GPU runs them, on the hybrid Gated DeltaNet
+    target: each runs per device under `shard_map` on its sequences and heads (tree and adapter attention in
+    its gated attention layer, the acceptance walk and K/V moves, the tree GDN), and the tokens are the
+    unsharded XLA path's. Its GDN layers are split by key / value heads, the recurrent and conv states with
+    them. (One target: the kernels' sharding is the same in a dense one, and each interpret-mode program
+    costs the suite ~15 s to compile.)"""
     from weaver_jax.pallas_kernels import use_kernels
 
-    reference = tokens(BUNDLE, "weaver")
-    hybrid = random_bundle(2, family="qwen3_5", eos_token_ids=(5,))
-    hybrid_reference = tokens(hybrid, "weaver")
-    sharded_hybrid = weaver_jax.shard(hybrid, mesh(2, 2), replicate=("drafter", "adapter"))
-    check(sharded_hybrid.target.layers[0].mixer.groups == 2, "GDN layers grouped per device")
-    same = all(np.array_equal(a, module_params(hybrid.target)[k])
-               for k, a in module_params(sharded_hybrid.target).items())
+    reference = tokens(HYBRID, "weaver")
+    sharded = sharded_hybrid()
+    check(sharded.target.layers[0].mixer.groups == 2, "GDN layers grouped per device")
+    same = all(np.array_equal(a, module_params(HYBRID.target)[k]) for k, a in module_params(sharded.target).items())
     check(same, "module_params of a sharded hybrid target is the unsharded layout (conv rows too)")
     use_kernels(True)
     try:
-        check(tokens(weaver_jax.shard(BUNDLE, mesh(2, 2)), "weaver") == reference, "weaver with kernels (2, 2)")
-        check(tokens(sharded_hybrid, "weaver") == hybrid_reference, "hybrid weaver with the tree-GDN kernel (2, 2)")
+        check(tokens(sharded, "weaver") == reference, "hybrid weaver with the kernels (2, 2)")
     finally:
         use_kernels(None)
 
@@ -130,16 +133,17 @@ def compiled_hlo(bundle, method: str, kernels: bool = False) -> str:
 
 def no_weight_is_gathered():
     """The compiled decode holds no all-gather whose result is a whole weight matrix: each device multiplies by
-    its own columns / rows, and XLA all-reduces activations (weaver: with the kernels, as on a GPU)."""
-    sharded = weaver_jax.shard(BUNDLE, mesh(2, 2))
-    weights = {tuple(w.shape) for m in (BUNDLE.target, BUNDLE.drafter) for w in module_params(m).values()
-               if w.ndim == 2}
-    for method in ("ar", "weaver"):
+    its own columns / rows, and XLA all-reduces activations (weaver: the hybrid target with the kernels, as on
+    a GPU, GDN layers included)."""
+    for name, bundle, sharded, method in (("dense", BUNDLE, weaver_jax.shard(BUNDLE, mesh(2, 2)), "ar"),
+                                          ("hybrid", HYBRID, sharded_hybrid(), "weaver")):
+        weights = {tuple(w.shape) for m in (bundle.target, bundle.drafter) for w in module_params(m).values()
+                   if w.ndim == 2}
         hlo = compiled_hlo(sharded, method, kernels=method == "weaver")  # as greedy / kernels_run_per_shard ran it
         gathered = {tuple(int(d) for d in dims.split(",")) for dims in
                     re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)}
-        check(not gathered & weights, f"{method}: no weight all-gathered ({sorted(gathered & weights)})")
-        check(len(re.findall(r" all-reduce\(", hlo)) > 0, f"{method}: tensor parallel (all-reduces present)")
+        check(not gathered & weights, f"{name} {method}: no weight all-gathered ({sorted(gathered & weights)})")
+        check(len(re.findall(r" all-reduce\(", hlo)) > 0, f"{name} {method}: tensor parallel (all-reduces present)")
     # Over `data` alone each device keeps its sequences: the tree's and the round's bookkeeping (row-indexed
     # gathers and scatters, `_tree.row_get` / `row_set`) gathers no batch; what remains gathered is the few
     # float rows XLA's CPU top_k takes whole (the drafter's pool, the adapter's children)
