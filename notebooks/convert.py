@@ -47,7 +47,9 @@ import json  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 import weaver_jax  # noqa: E402
@@ -133,7 +135,7 @@ assert out.returncode == 2 and not (work / "broken-out").exists()
 # ## The SmolLM2 GGUF
 # Dequantized with `gguf`, llama q/k permutation undone; the tokenizer and chat template come along.
 
-# %% tags=["ci-skip"]
+# %%
 from weaver_jax._load import _smollm2_gguf  # noqa: E402
 
 gguf_path = _smollm2_gguf()  # downloaded and cached on first use
@@ -145,7 +147,7 @@ assert out.returncode == 0
 # %% [markdown]
 # The same from Python: dequantize, then write the checkpoint with the tokenizer.
 
-# %% tags=["ci-skip"]
+# %%
 from weaver_jax.convert import gguf  # noqa: E402
 
 smol_target = gguf.load_gguf_target(gguf_path, "float32")
@@ -153,14 +155,17 @@ smol_tokenizer = weaver_jax.Tokenizer.from_gguf_metadata(gguf.open_gguf(gguf_pat
 checkpoint.save(work / "smollm2-py", smol_target, smol_tokenizer)
 print(sorted(p.name for p in (work / "smollm2-py").iterdir()))
 
-# %% tags=["ci-skip"]
+# %%
 smol = weaver_jax.load(work / "smollm2")
 messages = [{"role": "user", "content": "What is the capital of France?"}]
 ids = smol.tokenizer.apply_chat_template(messages)
 result = weaver_jax.generate(smol, [ids], max_new_tokens=24)
 print(smol.tokenizer.decode(result.tokens[0], skip_special_tokens=True))
-# Both conversions and the named model: the same chat template, tokenizer, end-of-generation ids and answer.
+# Both conversions and the named model: the same parameters (bit for bit), chat template, tokenizer,
+# end-of-generation ids and answer.
 for other in (weaver_jax.load(work / "smollm2-py"), weaver_jax.load("smollm2-135m-instruct")):
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(other.target)),
+                                                    jax.tree.leaves(nnx.state(smol.target)), strict=True))
     assert other.tokenizer.apply_chat_template(messages) == ids and other.eos_token_ids == smol.eos_token_ids == (2, 0)
     assert other.tokenizer.encode("The year 2024 had 366 days. <|im_end|>") == smol.tokenizer.encode(
         "The year 2024 had 366 days. <|im_end|>")

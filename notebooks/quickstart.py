@@ -84,7 +84,7 @@ print("identical:", results["ar"].tokens == results["weaver"].tokens)
 # Weaver samples the very tokens plain decoding samples (in float32, as here on a CPU; in bfloat16 a
 # near-tie can round differently in a tree, which `exact=True` rules out).
 
-# %% tags=["ci-skip"]
+# %%
 sampled = {}
 for method, options in (("ar", {}), ("weaver", {"budget": budget})):
     sampled[method] = r = weaver_jax.generate(bundle, [ids], method=method, max_new_tokens=MAX_NEW_TOKENS,

@@ -1,7 +1,6 @@
 """Execute notebooks top to bottom; a cell that raises fails the run.
 
-    python notebooks/run.py quickstart convert [--small]      # what `make test` runs (small settings; train too:
-                                                              # ~40 s on a CPU, outside the suite's 10 minutes)
+    python notebooks/run.py quickstart train [--small]        # some; --small: what `make test` runs, every cell
     python notebooks/run.py --all                             # `make notebooks`
     python notebooks/run.py --sync                            # rewrite every .ipynb from its .py
 
@@ -40,7 +39,7 @@ def sync(name: str) -> None:
 def check_in_sync(name: str) -> None:
     import nbformat
 
-    def cells(notebook):  # tags too: `execute` reads ci-skip from the .ipynb
+    def cells(notebook):
         return [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in notebook.cells]
 
     source, stored = cells(_paired(name)), cells(nbformat.read(HERE / f"{name}.ipynb", as_version=4))
@@ -57,8 +56,6 @@ def execute(name: str, small: bool, timeout: int = 1800) -> None:
     if small:
         os.environ["WEAVER_NOTEBOOK_SMALL"] = "1"
     notebook = nbformat.read(HERE / f"{name}.ipynb", as_version=4)
-    if small:  # cells tagged ci-skip repeat what a cheaper test covers (the suite's 10 minutes): `make notebooks` only
-        notebook.cells = [c for c in notebook.cells if "ci-skip" not in c.metadata.get("tags", [])]
     NotebookClient(notebook, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(HERE)}}).execute()
 

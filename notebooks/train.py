@@ -63,12 +63,12 @@ work = Path(tempfile.mkdtemp(prefix="weaver_train_"))
 
 
 def loaded(**parts):
-    """SmolLM2 in float32 (with `parts`: a drafter and an adapter); in CI (SMALL) only its first 6 of 30 layers:
+    """SmolLM2 in float32 (with `parts`: a drafter and an adapter); in CI (SMALL) only its first 3 of 30 layers:
     every cell runs, compiled sooner, and the figures mean nothing."""
     bundle = weaver_jax.load("smollm2-135m-instruct", dtype="float32", **parts)
     if SMALL:
-        bundle.target.layers = nnx.List(list(bundle.target.layers)[:6])
-        bundle.target.config = bundle.target.config.replace(num_layers=6)
+        bundle.target.layers = nnx.List(list(bundle.target.layers)[:3])
+        bundle.target.config = bundle.target.config.replace(num_layers=3)
     return bundle
 
 
