@@ -160,7 +160,9 @@ smol = weaver_jax.load(work / "smollm2")
 messages = [{"role": "user", "content": "What is the capital of France?"}]
 ids = smol.tokenizer.apply_chat_template(messages)
 result = weaver_jax.generate(smol, [ids], max_new_tokens=24)
-print(smol.tokenizer.decode(result.tokens[0], skip_special_tokens=True))
+answer = smol.tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+print(answer)
+assert "Paris" in answer and result.tokens[0][-1] in smol.eos_token_ids  # a short answer, ended by the model
 # Both conversions and the named model: the same parameters (bit for bit), chat template, tokenizer,
 # end-of-generation ids and answer.
 for other in (weaver_jax.load(work / "smollm2-py"), weaver_jax.load("smollm2-135m-instruct")):
