@@ -33,6 +33,16 @@ def test_the_docs_have_their_snippets_and_links():
     assert len(readme.encode()) <= 12_000  # a front page read in minutes (issue 43)
 
 
+def test_every_public_name_has_a_docstring_with_an_example():
+    """`help(weaver_jax.X)` shows what X is and an example: an indented line of code (issue 43)."""
+    import inspect
+
+    for name in weaver_jax.__all__:
+        doc = inspect.getdoc(getattr(weaver_jax, name)) or ""
+        examples = [line for line in doc.splitlines()[1:] if line.startswith("    ") and "(" in line]
+        assert examples, f"weaver_jax.{name}: no example in its docstring"
+
+
 @pytest.mark.parametrize("path", [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
                                   if snippets(p)], ids=lambda p: p.name)
 def test_snippets_run(path, monkeypatch):

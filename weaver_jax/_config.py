@@ -9,7 +9,12 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 frequency scaling of RoPE (HF `rope_type="llama3"`)."""
+    """Llama-3 frequency scaling of RoPE (HF `rope_type="llama3"`), a `ModelConfig`'s `rope_scaling`; conversion
+    reads it from a checkpoint's config.json:
+
+        RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+        weaver_jax.load("Meta-Llama-3.1-8B-Instruct/").config.rope_scaling   # the same, from its config.json
+    """
 
     factor: float
     low_freq_factor: float
@@ -76,7 +81,11 @@ class ModelConfig:
 
 
 def smollm2_135m(dtype: str = "float32") -> ModelConfig:
-    """SmolLM2-135M(-Instruct): Llama architecture, tied embeddings."""
+    """SmolLM2-135M(-Instruct)'s shape: Llama architecture, tied embeddings (the shipped pair's target; random
+    weights for benchmarks and tests):
+
+        weaver_jax.Transformer(weaver_jax.smollm2_135m("bfloat16"), rngs=nnx.Rngs(0))
+    """
     return ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100_000.0, rms_norm_eps=1e-5,
@@ -85,7 +94,12 @@ def smollm2_135m(dtype: str = "float32") -> ModelConfig:
 
 
 def qwen3_8b(dtype: str = "bfloat16") -> ModelConfig:
-    """Qwen3-8B shape (the benchmark shape of DESIGN section 4)."""
+    """Qwen3-8B's shape (the benchmarks' 8B shape), a `ModelConfig` for random-weight timings without the
+    checkpoint:
+
+        config = weaver_jax.qwen3_8b()                                    # bfloat16, 36 layers, 32 / 8 heads
+        config.replace(num_layers=2)                                      # a slice of it
+    """
     return ModelConfig(
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,

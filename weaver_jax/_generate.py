@@ -38,7 +38,12 @@ class ARState(NamedTuple):
 
 
 class AROutput(NamedTuple):
-    """`ar_generate`'s result (arrays on the device)."""
+    """`ar_generate`'s result (arrays on the device): tokens `[B, max_new_tokens]` (-1 past num_tokens `[B]`), the
+    target's passes, the last token `[B]` (not yet in the cache) and the committed cache:
+
+        out = weaver_jax.ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef=graphdef, max_new_tokens=64)
+        out.tokens[0, : out.num_tokens[0]], out.cache.lengths
+    """
 
     tokens: jax.Array  # [B, max_new_tokens] int32, -1 past num_tokens
     num_tokens: jax.Array  # [B] int32 (EOS included when hit)
@@ -204,7 +209,8 @@ _listed_keys = jax.jit(jax.vmap(jax.random.key))
 
 @dataclasses.dataclass
 class GenerateResult:
-    """What `generate` returns: `tokens` per prompt and `stats` (`generate`'s docstring lists the keys):
+    """What `generate` returns: `tokens` per prompt (lists of ids, EOS included when hit) and `stats`
+    (`generate`'s docstring lists the keys):
 
         out = weaver_jax.generate(bundle, [ids], max_new_tokens=64, method="weaver")
         out.tokens[0], out.stats["tokens_per_second"], out.stats["mean_accepted_length"]

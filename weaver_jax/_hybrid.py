@@ -49,7 +49,13 @@ from weaver_jax.pallas_kernels import interpret
 class HybridConfig:
     """A hybrid target's shape: `layer_types` ("linear_attention" for Gated DeltaNet, "full_attention") per layer,
     the gated attention's heads and the GDN's key / value heads. `qwen3_6_27b()` gives the Qwen3.6-27B shape;
-    `weaver_jax.convert.hf.hybrid_config_from_hf` reads a Hugging Face config.json."""
+    `weaver_jax.convert.hf.hybrid_config_from_hf` reads a Hugging Face config.json.
+
+        from weaver_jax._hybrid import qwen3_6_27b, qwen_layer_types
+        config = qwen3_6_27b(layer_types=qwen_layer_types(8))    # two of its four-layer groups, bfloat16
+        config.layer_types[:4]                                   # 3 x "linear_attention", then "full_attention"
+        weaver_jax.HybridTransformer(config, rngs=nnx.Rngs(0))   # random weights
+    """
 
     vocab_size: int
     hidden_size: int
@@ -97,7 +103,11 @@ class HybridConfig:
 class HybridCache(KVCache):
     """A `KVCache` whose K/V `[B, S, H_kv, D]` are the attention layers' only, plus a `GDNState` per GDN
     layer (both in layer order within their kind); committed lengths `[B]`. Everything that moves K/V
-    (`commit_kv`, the acceptance kernel) replaces k and v and keeps the states."""
+    (`commit_kv`, the acceptance kernel) replaces k and v and keeps the states.
+
+        cache = hybrid_bundle.target.init_cache(batch=2, size=512)       # a HybridCache
+        len(cache.k), len(cache.gdn), cache.lengths                      # attention layers, GDN layers, [2]
+    """
 
     gdn: tuple[GDNState, ...]
 

@@ -79,7 +79,12 @@ class KVCache:
 
 
 class ForwardOutput(NamedTuple):
-    """What a target's forward (or `prefill`) returns."""
+    """What a target's forward (or `prefill`) returns: logits `[B, R, V]` float32, the requested layers' hidden
+    states (one `[B, T, D]` each), the cache with the new K/V written past `lengths` (left to the caller's commit):
+
+        out = bundle.target.prefill(tokens, bundle.target.init_cache(1, 256), jnp.asarray([len(ids)]))
+        out.logits[0, -1].argmax(), out.cache.k[0].shape                  # [1, 256, H_kv, D]
+    """
 
     logits: jax.Array  # [B, R, V] float32 for the requested rows (R = T when rows is None)
     hidden: tuple[jax.Array, ...]  # one [B, T, D] per requested layer (output of that layer)

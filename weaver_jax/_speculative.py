@@ -252,8 +252,13 @@ class SpecState(NamedTuple):
 
 
 class SpecOutput(NamedTuple):
-    """`spec_generate`'s result (arrays on the device): `ar_generate`'s, plus verifications per sequence and the
-    histogram of tokens emitted per verification."""
+    """`spec_generate`'s result (arrays on the device): `ar_generate`'s tokens `[B, max_new_tokens]` and counts
+    `[B]`, the rounds (verifications) per sequence `[B]` and of the longest, the histogram of tokens emitted per
+    verification `[B, K + 2]`, and both committed caches:
+
+        out = weaver_jax.spec_generate(params, drafter_params, cache, drafter_cache, prompts, prompt_lengths, keys, ...)
+        out.num_tokens / out.seq_rounds                                   # τ per sequence
+    """
 
     tokens: jax.Array  # [B, max_new_tokens], -1 past num_tokens
     num_tokens: jax.Array  # [B]

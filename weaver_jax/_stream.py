@@ -173,7 +173,12 @@ class Loop:
 
 
 class StreamChunk(NamedTuple):
-    """One step of `stream`: the new token ids and the text that is safe to show for them."""
+    """One step of `stream`: the new token ids and the text that is safe to show for them (text that ends inside a
+    multi-byte character or could begin a stop string is held for a later chunk; the ids come at once):
+
+        for chunk in weaver_jax.stream(bundle, ids, method="weaver", max_new_tokens=256):
+            print(chunk.text, end="", flush=True)                        # chunk.tokens: their ids
+    """
 
     tokens: list[int]  # the ids generated since the last chunk (EOS included when hit)
     text: str  # their text, as far as it is safe to show ("" without a tokenizer)

@@ -16,7 +16,12 @@ import jax.numpy as jnp
 
 class Tree(NamedTuple):
     """A batch of static-shape proposal trees, node 0 the root, parents before children (`proposal_tree` returns
-    one as lists for inspection)."""
+    one as lists for inspection): tokens, parent (-1 at the root), depth `[B, N]` int32, valid `[B, N]` bool.
+
+        tree = weaver_jax.Tree(tokens=jnp.array([[7, 3, 9, 4]]), parent=jnp.array([[-1, 0, 0, 1]]),
+                               depth=jnp.array([[0, 1, 1, 2]]), valid=jnp.ones((1, 4), bool))
+        tree.ancestors()[0, 3]                                            # [True, True, False, True]
+    """
 
     tokens: jax.Array  # [B, N] int32
     parent: jax.Array  # [B, N] int32, -1 at the root
