@@ -87,9 +87,11 @@ def test_plain_decoding_runs_outright_when_drafting_cannot_pay(costs):
     assert [t for c in s for t in c.tokens] == got.tokens[0] and s.stats["settings"]["start"] == "ar"
 
 
-def test_tune_measures_every_cell_at_once_and_keeps_the_times(costs):  # costs: a file of the test's own
+def test_tune_measures_every_cell_at_once_and_keeps_the_times(costs, monkeypatch, capsys):  # costs: its own file
     """`weaver-jax tune`: the cells compile beside each other and are timed one at a time; what it keeps is what
-    a later call reads instead of measuring."""
+    a later call reads instead of measuring; the command prints each cell's times and compile seconds."""
+    from weaver_jax import cli
+
     rows = _auto.tune(bundle(), batch_sizes=(1, 2), temperatures=(0.0,), prompt_tokens=8, tiers=["dflash"])
     assert [(r["batch"], r["temperature"]) for r in rows] == [(1, 0.0), (2, 0.0)]
     for row in rows:
@@ -98,6 +100,13 @@ def test_tune_measures_every_cell_at_once_and_keeps_the_times(costs):  # costs: 
         kept = _auto.known_costs(bundle(), made, sampled=False, exact=False, batch=row["batch"])
         assert kept == {k: None if v is None else pytest.approx(v / 1e3, rel=1e-3, abs=1e-7)
                         for k, v in row["round_ms"].items()}
+        assert set(row["compile_seconds"]) == {"prefill", "slowest_tier"}
+        assert 0 <= row["compile_seconds"]["slowest_tier"] <= row["seconds"]
+    monkeypatch.setattr(wj, "load", lambda *args, **kwargs: bundle())
+    monkeypatch.setattr(_auto, "tune", lambda *args, **kwargs: rows)
+    assert cli.main(["tune", "--batch", "1", "2", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "B = 2, T = 0: ms per round ar " in out and "compiling the prefill " in out
 
 
 def test_the_autopilot_follows_acceptance_and_tries_drafting_again():

@@ -459,8 +459,9 @@ def tune(bundle, *, batch_sizes=(1, 8), temperatures=(0.0, 1.0), prompt_tokens: 
          tiers=None) -> list[dict]:
     """Measure and keep every tier's round time on this device for these batch sizes and temperatures (what a
     call's first use does for its own), on prompts of random token ids: -> one row per (batch, temperature) with
-    the round times in ms, the tier predicted fastest at the prior τ and the seconds from the start until its
-    times were kept (every cell's programs compile at once, then each is timed alone)."""
+    the round times in ms, the tier predicted fastest at the prior τ, the seconds from the start until its
+    times were kept (every cell's programs compile at once, then each is timed alone) and the seconds its
+    prefill's and its slowest tier's compiles took (`compile_seconds`: what to cut where tuning is slow)."""
     from weaver_jax._stream import Run
 
     rng = np.random.default_rng(0)
@@ -478,8 +479,10 @@ def tune(bundle, *, batch_sizes=(1, 8), temperatures=(0.0, 1.0), prompt_tokens: 
             gate.arrive()
             _local.gate = None
         settings = run.autopilot.settings() if run.autopilot else run.plan.settings()
+        prefill, *tiers_ = (p.compile_seconds for p in run.loop.programs)
         return {"batch": batch, "temperature": temperature, "round_ms": settings["round_ms"],
-                "fastest": settings["start"], "seconds": round(time.perf_counter() - t0, 1)}
+                "fastest": settings["start"], "seconds": round(time.perf_counter() - t0, 1),
+                "compile_seconds": {"prefill": round(prefill, 1), "slowest_tier": round(max(tiers_), 1)}}
 
     with concurrent.futures.ThreadPoolExecutor(len(cells)) as pool:
         return list(pool.map(one, range(len(cells))))

@@ -83,8 +83,10 @@ def _tune(args) -> int:
     rows = tune(bundle, batch_sizes=args.batch, temperatures=args.temperature, exact=args.exact)
     for row in rows:
         times = ", ".join(f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in row["round_ms"].items())
+        compiles = row["compile_seconds"]
         print(f"B = {row['batch']}, T = {row['temperature']:g}: ms per round {times}; fastest at the prior "
-              f"acceptance: {row['fastest']} ({row['seconds']} s)")
+              f"acceptance: {row['fastest']} ({row['seconds']} s; compiling the prefill {compiles['prefill']} s, "
+              f"the slowest tier {compiles['slowest_tier']} s)")
     print(f"kept in {cost_file()}")
     return 0
 
