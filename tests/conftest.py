@@ -41,7 +41,7 @@ def make_pair(name: str, seed: int = 0, dtype: str = "float32", **overrides):
 
 
 def pytest_collection_modifyitems(items):
-    """The longest tests first (the 8-device subprocess ~2 minutes, the notebooks 0.5-1 each): `pytest -n 2` hands
+    """The longest tests first (the 8-device subprocess ~2 minutes, each notebook ~0.5-1): `pytest -n 2` hands
     out the rest as workers free up, so neither worker is left alone with one at the end."""
     items.sort(key=lambda item: not item.nodeid.startswith(("tests/test_sharding.py::",
                                                             "tests/test_notebooks.py::test_notebook_runs")))
