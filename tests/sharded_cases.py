@@ -46,10 +46,10 @@ def check(condition, what):
 
 def greedy_equals_unsharded():
     """Every method's greedy tokens on each mesh are the unsharded bundle's (float32)."""
-    # (1, 8) does not divide this target's 4 KV heads (layout_and_errors); (1, 1) runs on the GPU (BENCHMARKS.md,
-    # bench/sharding.py); weaver on (2, 2): sampled (sampled_is_seed_identical), and on the hybrid target with the
-    # kernels (kernels_run_per_shard). no_weight_is_gathered reads the (2, 2) programs.
-    cases = {(2, 2): ["ar"], (2, 1): ["weaver"], (1, 2): ["dflash", "ddtree"], (2, 4): ["ar"]}
+    # (1, 8) does not divide this target's 4 KV heads (layout_and_errors); weaver on (2, 2): sampled
+    # (sampled_is_seed_identical), and on the hybrid target with the kernels (kernels_run_per_shard).
+    # no_weight_is_gathered reads the (2, 2) programs.
+    cases = {(1, 1): ["ar"], (2, 2): ["ar"], (2, 1): ["weaver"], (1, 2): ["dflash", "ddtree"], (2, 4): ["ar"]}
     reference = {m: tokens(BUNDLE, m) for m in ("ar", "dflash", "ddtree", "weaver")}
     for shape, methods in cases.items():
         # the drafter's 2 KV heads do not divide over 4 devices: replicated there, as a user would
