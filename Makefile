@@ -34,7 +34,7 @@ test-slow: $(VENV)/.installed  # the real Qwen2.5-Coder-0.5B GGUF end to end (do
 test-gpu:  # on a machine with a GPU and jax[cuda] (the device tool: `make test-gpu` there); logs in $$OUT
 	bash tests/gpu.sh
 
-notebooks: $(VENV)/.installed  # all four, full settings (train: ~10 min on CPU)
+notebooks: $(VENV)/.installed  # all four, full settings (~5 min on a 2-core CPU, the train notebook ~3.5)
 	$(PY) notebooks/run.py --all
 
 notebooks-sync: $(VENV)/.installed  # regenerate every .ipynb from its .py (the source of truth)

@@ -14,7 +14,7 @@
 # %% [markdown]
 # # Training a drafter and a Weaver adapter
 #
-# **Needs:** a CPU runtime, about 10 minutes, for the small run below (a slice of data, a few
+# **Needs:** a CPU runtime, about 4 minutes (2 cores), for the small run below (a slice of data, a few
 # dozen steps: it shows the pipeline and τ moving, not a useful drafter; the test suite runs every cell
 # with fewer prompts, tokens and steps still, `WEAVER_NOTEBOOK_SMALL=1`). `FULL = True` runs the
 # recipe the shipped SmolLM2 weights came from (needs a GPU; ~10 minutes on an H200; downloads
