@@ -66,14 +66,11 @@ class GGUFFile:
         """A tensor's stored data, as `gguf.quants.dequantize` takes it (a view of the file, outermost dimension
         first): elements of a plain type (F32, F16, ...), or each row's bytes of a quantized one - what gguf's
         reader gives, without its ~4-7 s of parsing the header into numpy views of every vocabulary entry."""
-        from gguf.constants import GGML_QUANT_SIZES
         from gguf.quants import quant_shape_to_byte_shape
 
         kind, offset = self.tensor_places[name]
         shape = tuple(reversed(self.tensor_shapes[name]))
-        block, block_bytes = GGML_QUANT_SIZES[kind]
-        size = int(np.prod(shape)) * block_bytes // block
-        data = self._bytes[offset: offset + size]
+        data = self._bytes[offset: offset + _data_bytes(kind, shape)]
         if kind.name in _PLAIN_TYPES:
             return data.view(_PLAIN_TYPES[kind.name]).reshape(shape)
         return data.reshape(quant_shape_to_byte_shape(shape, kind))
@@ -81,6 +78,14 @@ class GGUFFile:
 
 _PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                 "I32": np.int32, "I64": np.int64}
+
+
+def _data_bytes(kind, shape: tuple[int, ...]) -> int:
+    """The bytes of a tensor of this GGML type and shape: whole quantization blocks."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, block_bytes = GGML_QUANT_SIZES[kind]
+    return int(np.prod(shape)) * block_bytes // block
 
 
 # GGUF value types -> struct formats (little-endian); 8 is a string, 9 an array.
@@ -92,7 +97,7 @@ def read_header(path: Path) -> tuple[dict, dict[str, tuple[int, ...]], dict]:
     """(metadata, tensor shapes, tensor places) from a GGUF's header (`GGUFFile`'s fields), and a check that every
     tensor's data lies within the file. gguf.GGUFReader makes numpy views of every array element while it opens a
     file: ~7 s for a 150K-token vocabulary and its merges, where this plain walk takes ~0.3 s."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.constants import GGMLQuantizationType
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         offset = 0
@@ -143,8 +148,7 @@ def read_header(path: Path) -> tuple[dict, dict[str, tuple[int, ...]], dict]:
         start = offset + -offset % alignment
         for name, (kind, at) in places.items():
             kind = GGMLQuantizationType(kind)
-            block, block_bytes = GGML_QUANT_SIZES[kind]
-            end = start + at + int(np.prod(shapes[name])) * block_bytes // block
+            end = start + at + _data_bytes(kind, shapes[name])
             if end > len(buf):
                 raise ValueError(f"truncated: tensor {name}'s data ends at byte {end}, the file has {len(buf)}")
             places[name] = kind, start + at
@@ -188,9 +192,9 @@ def hf_tensors_from_gguf(f: GGUFFile, config: ModelConfig, progress: bool = Fals
     from tqdm import tqdm
 
     out = {}
-    for gguf_name in tqdm(f.tensor_places, desc=f.path.name, unit="tensor", disable=not progress):
+    for gguf_name, (kind, _) in tqdm(f.tensor_places.items(), desc=f.path.name, unit="tensor", disable=not progress):
         name = hf_name(gguf_name)
-        w = np.asarray(dequantize(f.tensor_data(gguf_name), f.tensor_places[gguf_name][0]), np.float32)
+        w = np.asarray(dequantize(f.tensor_data(gguf_name), kind), np.float32)
         if f.architecture == "llama" and ".q_proj." in name:
             w = unpermute_rotary(w, config.num_heads)
         elif f.architecture == "llama" and ".k_proj." in name:
