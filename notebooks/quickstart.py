@@ -58,7 +58,7 @@ print("drafter:", bundle.drafter.config.num_layers, "layers, block", bundle.draf
 print("adapter: width", bundle.adapter.config.d_rank, ", pool", bundle.adapter.config.candidate_pool_size)
 # what ships: a block of 16 drafted from target layers 1, 14 and 27; the adapter re-ranks 15 candidates a node
 assert bundle.drafter.config.block_size == 16 and bundle.drafter.config.target_layer_ids == (1, 14, 27)
-assert bundle.adapter.config.K == 15
+assert bundle.adapter.config.K == 15 and bundle.adapter.config.d_model == bundle.config.hidden_size == 576
 
 # %%
 prompt = "Give me three tips for learning to play the guitar."
