@@ -74,8 +74,7 @@ def main():
         for i in range(21):  # a call of no rounds: dispatch, arguments and the window alone (no loop body runs)
             if i == 1:
                 t0 = time.perf_counter()
-            state, window = loop._advance(state, loop.keys, loop._halt(halted), loop._rounds(np.int32(0)),
-                                          loop._leave(np.bool_(False)))
+            state, window = loop.send(state, loop.keys, halted, rounds=0)
             np.asarray(window)
         row["call_ms_at_0_rounds"] = (time.perf_counter() - t0) / 20 * 1e3
         for rounds in (1, 16):

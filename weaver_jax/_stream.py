@@ -145,7 +145,7 @@ class Loop:
         pace's. On a GPU the call returns as soon as it is queued (its loop runs inside a command buffer:
         `_generate.ASYNC_LOOP`), so the next can be sent before this one is read."""
         with _generate._mesh_scope(self.bundle):
-            rounds = self._rounds(np.int32(rounds or self.pace.rounds))
+            rounds = self._rounds(np.int32(self.pace.rounds if rounds is None else rounds))
             programs, advance, weights = self._calls[tier]
             return programs(advance, weights, state, keys, self._halt(halted), rounds, self._leave(np.bool_(leave)))
 
