@@ -4,9 +4,10 @@
 
 Starts the server in this process (uvicorn, 127.0.0.1, a free port) for the named model (default: the shipped
 SmolLM2 pair), then for each method (`--methods`, "ar" = speculation off) and concurrency C sends `--requests`
-chat requests from C client threads (the official `openai` client), T = 0, EOS off so every answer has
-`--max-tokens` tokens: aggregate completion tokens/s and p50 / p99 request latency, the slots' rows in use per
-call, and for method="auto" what its last slots chose. The server compiles its programs for T = 0 first
+chat requests from C client threads (the official `openai` client; in a process of their own, bench/load_client.py,
+unless `--clients threads`), T = 0, EOS off so every answer has `--max-tokens` tokens: aggregate completion
+tokens/s and p50 / p99 request latency, the slots' rows in use per call, where the engine's time went
+(`engine_seconds`: `timed_engine`), and for method="auto" what its last slots chose. The server compiles its programs for T = 0 first
 (`warmup`), and one untimed round of C requests precedes the timed ones. As the
 baseline, one `generate` call on the same prompts (the first `--max-batch` of them as one batch) gives tokens/s
 for `vs_generate_batch`. `steady_tokens_per_second`: the rate while all C clients are in flight (from the C-th
@@ -20,29 +21,26 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
+import functools
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import jax
-import openai
 import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import load_client  # noqa: E402  (beside this script)
+from load_client import REQUESTS  # noqa: E402
+
 import weaver_jax as wj  # noqa: E402
 from weaver_jax import _generate, _stream  # noqa: E402
 from weaver_jax._serve import Server  # noqa: E402
-
-# Made-up requests (in none of the project's prompt sets): only their lengths and variety matter here.
-REQUESTS = [
-    "Write a haiku about autumn leaves.", "Give me three tips for learning to cook.",
-    "Explain what a hash table is.", "Summarise the plot of a heist movie you invent.",
-    "List five uses for a paperclip.", "Describe the water cycle for a child.",
-    "What makes a good password?", "Draft a polite email declining a meeting.",
-]
 
 
 def steady_rate(spans: list[tuple[float, float, int]], concurrency: int) -> float | None:
@@ -57,6 +55,55 @@ def steady_rate(spans: list[tuple[float, float, int]], concurrency: int) -> floa
         return None
     tokens = sum(n * max(0.0, min(e, end) - max(s, begin)) / (e - s) for s, e, n in spans if e > s)
     return tokens / (end - begin)
+
+
+@contextlib.contextmanager
+def load(clients: str, base_url: str, concurrency: int, requests: int, max_tokens: int):
+    """Clients that have sent a warm-up round of `concurrency` requests (what they need is compiled) -> a function
+    that sends the `requests` timed ones -> [(start, end, completion tokens)] per request."""
+    if clients == "threads":
+        one = functools.partial(load_client.request, base_url, max_tokens)
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(one, range(concurrency)))
+            yield lambda: list(pool.map(one, range(requests)))
+        return
+    command = [sys.executable, str(Path(__file__).with_name("load_client.py")), base_url, str(concurrency),
+               str(requests), str(max_tokens)]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as process:
+        if process.stdout.readline().strip() != "warm":
+            raise RuntimeError("the client process ended before its warm-up round")
+
+        def timed():
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            return [tuple(r) for r in json.loads(process.stdout.readline())]
+
+        yield timed
+
+
+ENGINE_SECONDS: collections.Counter = collections.Counter()
+
+
+def timed_engine() -> None:
+    """Count the engine thread's seconds in ENGINE_SECONDS: `calls` (the loop's calls, each sent and read),
+    `inserts` (dispatching the prefill of joining requests) and `steps` (whole steps: their calls, the wait for
+    an insert's first tokens that a step starts with, and what it does with the window)."""
+    def wrap(cls, name: str, label: str):
+        inner = getattr(cls, name)
+
+        @functools.wraps(inner)
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                ENGINE_SECONDS[label] += time.perf_counter() - t0
+
+        setattr(cls, name, timed)
+
+    wrap(_stream.Slots, "insert", "inserts")
+    wrap(_stream.Slots, "step", "steps")
+    wrap(_stream.Loop, "advance", "calls")
 
 
 def start(app) -> tuple[uvicorn.Server, int]:
@@ -77,8 +124,12 @@ def main():
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--slot-call-seconds", type=float, default=_stream.SLOT_CALL_SECONDS,
                         help="how long the server's calls aim to take (_stream.SLOT_CALL_SECONDS)")
+    parser.add_argument("--clients", choices=["process", "threads"], default="process",
+                        help="the clients in a process of their own (bench/load_client.py: as real clients, they "
+                             "share no interpreter lock with the server), or threads of the server's process")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    timed_engine()
     _stream.SLOT_CALL_SECONDS = args.slot_call_seconds
     bundle = wj.load(args.model)
     bundle = wj.Bundle(bundle.target, bundle.tokenizer, bundle.drafter, bundle.adapter, eos_token_ids=(),
@@ -88,28 +139,20 @@ def main():
         app = Server(bundle, model_name="m", method=method, max_batch=args.max_batch, max_queue=4 * args.requests,
                      warmup=(0.0,))
         server, port = start(app.app)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                               timeout=3600)
-
-        def one(i, client=client):
-            t0 = time.perf_counter()
-            reply = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}],
-                max_tokens=args.max_tokens, temperature=0)
-            return t0, time.perf_counter(), reply.usage.completion_tokens
-
+        base_url = f"http://127.0.0.1:{port}/v1"
         prompts = [bundle.tokenizer.apply_chat_template([{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}])
                    for i in range(args.max_batch)]
         options = dict(method=method, max_new_tokens=args.max_tokens, eos_token_id=[])
         wj.generate(bundle, prompts, **options)  # compiled
         base = wj.generate(bundle, prompts, **options).stats["tokens_per_second"]
         for concurrency in args.concurrency:
-            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-                list(pool.map(one, range(concurrency)))  # warm-up: what these requests need is compiled
-                programs, t0 = len(_generate._COMPILED), time.perf_counter()
-                calls = len(app.engine.batch_sizes)
-                results = list(pool.map(one, range(args.requests)))
+            with load(args.clients, base_url, concurrency, args.requests, args.max_tokens) as timed_requests:
+                programs, calls = len(_generate._COMPILED), len(app.engine.batch_sizes)  # after a warm-up round
+                ENGINE_SECONDS.clear()
+                t0 = time.perf_counter()
+                results = timed_requests()
                 seconds = time.perf_counter() - t0
+                engine = dict(ENGINE_SECONDS)
                 compiled = len(_generate._COMPILED) - programs  # compiled while timed (batch sizes not warmed)
             latencies = sorted(end - begin for begin, end, _ in results)
             tokens = sum(r[2] for r in results)
@@ -126,7 +169,8 @@ def main():
                              generate_batch_tokens_per_second=base, vs_generate_batch=tokens / seconds / base,
                              steady_tokens_per_second=steady, steady_vs_generate_batch=steady and steady / base,
                              max_batch=args.max_batch, compiled_while_timed=compiled,
-                             slot_call_seconds=args.slot_call_seconds,
+                             slot_call_seconds=args.slot_call_seconds, clients=args.clients,
+                             engine_seconds={k: round(v, 4) for k, v in sorted(engine.items())},
                              device=jax.devices()[0].device_kind))
             print(json.dumps(rows[-1]), flush=True)
             if args.json:
