@@ -101,7 +101,8 @@ def test_slots_prefill_joining_sequences_together_and_each_emits_what_it_would_a
 def test_a_slots_call_that_leaves_ends_when_a_sequence_ends():
     """`step(leave=True)` (requests wait for a row) ends the call at the round where a sequence ends: the row
     that joined a call later has one new token, not the call's three; the calls after it continue what
-    `generate` gives each - also across the slots growing from two rows to four mid-sequence (`take`)."""
+    `generate` gives each - also across the slots growing from two rows to four mid-sequence (`take`) and a
+    sequence joining them as a batch of one."""
     b, options = bundle(), dict(method="ar", max_new_tokens=8, temperature=1.0)
     slots = Slots(b, 2, context=128, rounds_per_call=3, **options)
     got = {"a": [], "b": []}
@@ -121,6 +122,7 @@ def test_a_slots_call_that_leaves_ends_when_a_sequence_ends():
     bigger.take(slots)
     slots = bigger
     slots.insert([2], ["b"], [PROMPT[:2]], [12], pad_to=32)
+    assert slots._first[2][0].shape[0] == 1  # one joining sequence prefills one row, not the slots' four
     assert step() == {"a": 3, "b": 4}
     assert step(leave=True) == {"a": 1, "b": 1}  # "a" has its 8
     while step()["b"]:

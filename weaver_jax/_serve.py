@@ -139,7 +139,7 @@ class Engine:
 
     def warm_up(self, settings: tuple) -> None:
         """Compile what requests with `settings` run: slots of every size the engine makes (powers of two up to
-        `max_batch`) for prompts up to 64 tokens and max_tokens up to MAX_TOKENS_DEFAULT, an insert and calls."""
+        `max_batch`) for prompts up to 64 tokens and max_tokens up to MAX_TOKENS_DEFAULT, inserts and calls."""
         size, smaller = 1, []
         while True:
             jobs = [Job([0], MAX_TOKENS_DEFAULT, settings, 0, (), None) for _ in range(size)]
@@ -150,7 +150,9 @@ class Engine:
                 if slots.can_take(other):
                     slots.take(other)
             smaller.append(slots)
-            slots.insert(list(range(size)), jobs, [j.prompt for j in jobs], [0] * size, 64)
+            # requests join as a power of two of rows (`Slots.insert`), at most the slots' size: each one here
+            for batch in [size] + [1 << i for i in reversed(range((size - 1).bit_length()))]:
+                slots.insert(list(range(batch)), jobs[:batch], [j.prompt for j in jobs[:batch]], [0] * batch, 64)
             for tier in slots.autopilot.tiers if slots.autopilot else [None]:  # method="auto": each tier's calls
                 slots.step(tier=tier)
                 slots.step(tier=tier)  # on a mesh XLA may return the state sharded otherwise: compiled here too

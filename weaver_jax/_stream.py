@@ -384,10 +384,11 @@ class Slots:
     def insert(self, rows: list[int], occupants: list, prompts: list[list[int]], seeds: list[int],
                pad_to: int) -> None:
         """Prefill `prompts` (one per free row of `rows`, for `occupants`) as one batch into those rows; their
-        first tokens come with the next `step`. The batch is the slots' size (one prefill program per size and
-        prompt bucket, compiled ahead by a server's warm-up), filled with copies of the first prompt whose rows
-        are dropped."""
-        k, batch = len(rows), self.size
+        first tokens come with the next `step`. The batch is the power of two that holds them (at most the slots'
+        size: one prefill program per batch and prompt bucket, compiled ahead by a server's warm-up), filled with
+        copies of the first prompt whose rows are dropped: one request joining 16 rows prefills one row, not 16."""
+        k = len(rows)
+        batch = min(self.size, 1 << (k - 1).bit_length())
         _, args = self._prepare(prompts + prompts[:1] * (batch - k), seeds + seeds[:1] * (batch - k), pad_to=pad_to)
         new = self.loop.start(args)
         extra = new.tokens.shape[0] - k  # the padding, and a mesh's fill-up to its `data` axis
