@@ -1,6 +1,7 @@
 """A bounded load test of `weaver-jax serve` on loopback: throughput and latency, speculation on and off.
 
     python bench/serve_load.py --concurrency 1 4 16 64 --requests 64 --max-tokens 256 --json out.json
+    python bench/serve_load.py --model random --methods weaver --concurrency 16 --requests 64 --max-tokens 64
 
 Starts the server in this process (uvicorn, 127.0.0.1, a free port) for the named model (default: the shipped
 SmolLM2 pair), then for each method (`--methods`, "ar" = speculation off) and concurrency C sends `--requests`
@@ -116,7 +117,8 @@ def start(app) -> tuple[uvicorn.Server, int]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help='a name or path for weaver_jax.load, or "random": a small random bundle (a CPU check)')
     parser.add_argument("--methods", nargs="+", default=["weaver", "ar"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests", type=int, default=32)
@@ -131,7 +133,10 @@ def main():
     args = parser.parse_args()
     timed_engine()
     _stream.SLOT_CALL_SECONDS = args.slot_call_seconds
-    bundle = wj.load(args.model)
+    if args.model == "random":  # the server's host-side costs on a CPU in seconds: a small random bundle
+        bundle = wj.testing.random_bundle(0, tokenizer=True, eos_token_ids=(1,), block_size=8)
+    else:
+        bundle = wj.load(args.model)
     bundle = wj.Bundle(bundle.target, bundle.tokenizer, bundle.drafter, bundle.adapter, eos_token_ids=(),
                        name=bundle.name)  # EOS off: every answer is max_tokens long
     rows = []
