@@ -8,9 +8,9 @@ SmolLM2 pair), then for each method (`--methods`, "ar" = speculation off) and co
 chat requests from C client threads (the official `openai` client; in a process of their own, bench/load_client.py,
 unless `--clients threads`), T = 0, EOS off so every answer has `--max-tokens` tokens: aggregate completion
 tokens/s and p50 / p99 request latency, the slots' rows in use per call, where the engine's time went
-(`engine_seconds`: `timed_engine`), and for method="auto" what its last slots chose. The server compiles its programs for T = 0 first
-(`warmup`), and one untimed round of C requests precedes the timed ones. As the
-baseline, one `generate` call on the same prompts (the first `--max-batch` of them as one batch) gives tokens/s
+(`engine_seconds`: `timed_engine`), and for method="auto" what its last slots chose. The server compiles its
+programs for T = 0 first (`warmup`), and one untimed round of C requests precedes the timed ones. As the baseline,
+one `generate` call on the same prompts (the first `--max-batch` of them as one batch) gives tokens/s
 for `vs_generate_batch`. `steady_tokens_per_second`: the rate while all C clients are in flight (from the C-th
 request's start to the first reply after the last request went out; each reply's tokens spread evenly over its
 request's time), without the slots' filling at the start and draining at the end, which a run of a few requests
