@@ -59,7 +59,7 @@ def generate(bundle, prompts, config: str, **kwargs):
 def run(bundle, prompts, config: str, batch: int, temperature: float, args) -> tuple[dict, list]:
     pad = -(-max(len(p) for p in prompts) // 32) * 32
     tokens = seconds = verifications = accepted = 0
-    texts = []
+    texts, settings = [], []
     for first in range(0, len(prompts), batch):
         out = generate(bundle, prompts[first:first + batch], config, max_new_tokens=args.max_new_tokens,
                        temperature=temperature, seed=first, pad_to=pad)
@@ -67,10 +67,16 @@ def run(bundle, prompts, config: str, batch: int, temperature: float, args) -> t
         verifications += sum(out.stats.get("sequence_verifications", [0]))
         accepted += sum(out.stats.get("sequence_accepted_tokens", [0]))
         texts += out.tokens
+        if "settings" in out.stats:  # method="auto": what each batch ran (start, switches, rounds per tier)
+            chosen = out.stats["settings"]
+            settings.append({k: chosen.get(k) for k in ("start", "plain_program", "rounds", "spread",
+                                                        "slowest_predictability", "predictability")}
+                            | {"switches": [(s["call"], s["to"]) for s in chosen.get("switches", [])]})
     row = dict(config=config, batch=batch, temperature=temperature, tokens_per_second=tokens / seconds,
                dtype=str(bundle.config.dtype),
                tau=accepted / verifications if verifications else 1.0, new_tokens=tokens, seconds=seconds,
-               prompts=len(prompts), max_new_tokens=args.max_new_tokens, device=jax.devices()[0].device_kind)
+               prompts=len(prompts), max_new_tokens=args.max_new_tokens, device=jax.devices()[0].device_kind,
+               **({"settings": settings} if settings else {}))
     return row, texts
 
 

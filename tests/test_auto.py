@@ -1,6 +1,7 @@
 """method="auto": tiers switched at call boundaries emit `ar`'s tokens; round times measured once and kept."""
 
 import json
+import math
 
 import pytest
 
@@ -56,7 +57,9 @@ def test_switching_tiers_every_call_emits_what_ar_emits(costs, cycling, temperat
     assert got.tokens == wj.generate(bundle(), PROMPTS, method="ar", **options).tokens
     settings = got.stats["settings"]
     spread = _auto.cost_key(bundle(), _auto.Tier("spread", (), (), 0), sampled=temperature > 0, exact=False, batch=2)
-    assert settings["spread"] == 1.0 and 0.5 <= json.loads(path.read_text())[spread] <= 1.0  # kept for the next
+    start = 1 / (1 + _auto.LOCKSTEP_SLOPE * math.log(2))  # no batch of 2 seen before: the model's spread
+    assert settings["spread"] == pytest.approx(start, abs=1e-3)
+    assert 0.5 * start <= json.loads(path.read_text())[spread] <= 0.5 * start + 0.5  # kept for the next
     assert settings["tiers"] == ["ar", "dflash", "weaver-24"] and not settings["measured_now"]
     assert all(settings["rounds"][name] > 0 for name in settings["tiers"]), settings["rounds"]
     assert got.stats["new_tokens"] == sum(map(len, got.tokens)) and "options" not in got.stats
@@ -155,6 +158,24 @@ def test_in_lockstep_the_slowest_sequence_sets_the_pace():
         later = _auto.Autopilot([ar, dflash, weaver], {"ar": 1.0, "dflash": 1.6, "weaver-24": 2.0}, False, False,
                                 lockstep=lockstep, spread=given)  # slots (not lockstep): rows are replaced
         assert later.next() is start and later.pace() == pytest.approx(given if lockstep else 1.0)
+
+
+def test_a_batch_size_not_seen_takes_the_slope_of_the_nearest_seen(costs):
+    """A lockstep batch's spread before any batch of its size ran: 1 / (1 + slope x ln B), the slope the model's
+    or that of the nearest size kept."""
+    costs({"ar": 1.0, "dflash": 1.5, "weaver": 2.0})
+
+    def spread(batch):
+        return _auto.lockstep_spread(bundle(), _auto.read_costs(), sampled=False, exact=False, batch=batch)
+
+    def key(batch):
+        return _auto.cost_key(bundle(), _auto.Tier("spread", (), (), 0), sampled=False, exact=False, batch=batch)
+
+    assert spread(1) == 1.0 and spread(32) == pytest.approx(1 / (1 + _auto.LOCKSTEP_SLOPE * math.log(32)))
+    _auto.write_costs({key(8): 0.5, key(64): 0.2})  # slopes 1 / ln 8 and 4 / ln 64
+    assert spread(16) == pytest.approx(1 / (1 + math.log(16) / math.log(8)))
+    assert spread(48) == pytest.approx(1 / (1 + 4 * math.log(48) / math.log(64)))
+    assert spread(8) == pytest.approx(0.5)
 
 
 def test_auto_options_are_checked():

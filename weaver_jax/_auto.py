@@ -13,9 +13,9 @@ of its prefilled state) and kept on disk. τ starts at the shipped pair's measur
 the text: one shared factor `predictability` scales every speculative tier's τ - 1 (what the drafts earn beyond
 the bonus token), an average over the chunks that drafted; a `generate` batch, whose rounds are its slowest
 sequence's, goes by its slowest sequence's factor (before any has drafted: the batch's x the `spread` between
-slowest and mean that earlier batches of its size showed). When no speculative tier is predicted to beat plain
-decoding for the whole call, it runs `ar`'s own program (no drafter work at all: a CPU, where every round costs
-several steps).
+slowest and mean that earlier batches of its size showed, or a model of it in ln B: `lockstep_spread`). When no
+speculative tier is predicted to beat plain decoding for the whole call, it runs `ar`'s own program (no drafter
+work at all: a CPU, where every round costs several steps).
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ RELAX = 0.05  # per plain chunk, the predictability's way back to the prior: spe
 SWITCH = 1.03  # another tier replaces the running one when predicted this much faster
 TIMED_ROUNDS = 8  # rounds per timed call when measuring a tier's round time
 SHRINK = 8  # lockstep: a sequence's own acceptance counts as much as the batch's once it has this many rounds
+# A `generate` batch of B sequences runs until its slowest ends, so its pace is its slowest sequence's predictability:
+# the batch's x `spread`, 1 / (1 + slope x ln B). Before any batch of a size is seen, the slope of the nearest size
+# seen, else LOCKSTEP_SLOPE (H200, the real pair, B = 32: Weaver's mean τ 3.7, its slowest sequence's 2.3 -> 0.48)
+LOCKSTEP_SLOPE = 0.31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +167,17 @@ def cost_key(bundle, tier: Tier, *, sampled: bool, exact: bool, batch: int) -> s
 def predictability_key(bundle, *, sampled: bool, exact: bool) -> str:
     """Where the acceptance this device has seen with this pair is kept (beside the round times)."""
     return cost_key(bundle, Tier("predictability", (), (), 0), sampled=sampled, exact=exact, batch=1)
+
+
+def lockstep_spread(bundle, kept: dict, *, sampled: bool, exact: bool, batch: int) -> float:
+    """A batch's expected slowest-sequence predictability over its mean where no batch of its size was seen:
+    1 / (1 + slope x ln B), the slope from the nearest batch size kept (else `LOCKSTEP_SLOPE`)."""
+    slope, nearest = LOCKSTEP_SLOPE, None
+    for size in (1 << k for k in range(1, 17)):
+        spread = kept.get(cost_key(bundle, Tier("spread", (), (), 0), sampled=sampled, exact=exact, batch=size))
+        if spread and (nearest is None or abs(np.log(size / batch)) < abs(np.log(nearest / batch))):
+            nearest, slope = size, (1.0 / spread - 1.0) / np.log(size)
+    return float(1.0 / (1.0 + max(slope, 0.0) * np.log(max(batch, 1))))
 
 
 def read_costs() -> dict:
@@ -413,7 +428,8 @@ class Plan:
         self.predictability = kept.get(self.learned, 1.0)
         self.spread_key = cost_key(bundle, Tier("spread", (), (), 0), sampled=self.sampled, exact=exact,
                                    batch=self.batch)
-        self.spread = kept.get(self.spread_key, 1.0)  # what the Autopilot uses in lockstep only
+        self.spread = kept.get(self.spread_key) or lockstep_spread(bundle, kept, sampled=self.sampled, exact=exact,
+                                                                   batch=self.batch)  # used in lockstep only
         plain = self.costs is not None and Autopilot(self.tiers, self.costs, self.sampled, False,
                                                      self.predictability, lockstep, self.spread).plain_wins()
         if plain:
