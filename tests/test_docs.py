@@ -31,6 +31,10 @@ def test_the_docs_have_their_snippets_and_links():
         for target in re.findall(r"\]\(([\w.-]+\.md)\)", guide.read_text()):
             assert (guide.parent / target).exists(), (guide.name, target)
     assert len(readme.encode()) <= 12_000  # a front page read in minutes (issue 43)
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(benchmarks.encode()) <= 30_000  # the current figures only; past passes in bench/HISTORY.md
+    for raw in re.findall(r"bench/results/([\w.-]+\.json)", benchmarks):  # every raw file named is there
+        assert (ROOT / "bench" / "results" / raw).exists(), raw
 
 
 def test_every_public_name_has_a_docstring_with_an_example():
