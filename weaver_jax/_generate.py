@@ -7,6 +7,7 @@ host wrapper: validation, padding, compilation cache and timing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -254,6 +255,10 @@ def _eos_ids(eos_token_id, default: tuple[int, ...], vocab_size: int) -> tuple[i
 
 
 _COMPILED: dict = {}
+# The latest compiles' phases: (function name, perf_counter at the start of tracing, of lowering, of XLA's compile,
+# at its end). Tracing and lowering run Python under the GIL, so programs compiled at once (`weaver-jax tune`'s
+# cells) wait on each other there (bench/tune_split.py)
+COMPILE_PHASES: collections.deque = collections.deque(maxlen=256)
 # XLA options on top of its defaults, per program: "ar" (plain decoding) and "spec" (a speculative method's loop).
 # A flag applies to a whole program, so a setting that helps a round's verification is given to that program
 # only; bench/round_profile.py --spec-compiler-options measures candidates.
@@ -283,7 +288,13 @@ def _compiled(fn, static: dict, *args):
     shapes = treedef, tuple((a.shape, a.dtype, getattr(a, "sharding", None)) for a in leaves)
     key = (fn, tuple(sorted((k, _prehashed(v)) for k, v in static.items())), shapes, tuple(sorted(options.items())))
     if key not in _COMPILED:
-        _COMPILED[key] = fn.lower(*args, **static).compile(compiler_options=options or None)
+        t0 = time.perf_counter()
+        traced = fn.trace(*args, **static)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        _COMPILED[key] = lowered.compile(compiler_options=options or None)
+        COMPILE_PHASES.append((fn.__name__, t0, t1, t2, time.perf_counter()))
     return _COMPILED[key]
 
 
