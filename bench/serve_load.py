@@ -86,9 +86,10 @@ ENGINE_SECONDS: collections.Counter = collections.Counter()
 
 
 def timed_engine() -> None:
-    """Count the engine thread's seconds in ENGINE_SECONDS: `calls` (the loop's calls, each sent and read),
-    `inserts` (dispatching the prefill of joining requests) and `steps` (whole steps: their calls, the wait for
-    an insert's first tokens that a step starts with, and what it does with the window)."""
+    """Count the engine thread's seconds in ENGINE_SECONDS: `sends` (dispatching the loop's calls), `reads`
+    (waiting for a call's window: the device's time the host did not hide), `inserts` (dispatching the prefill of
+    joining requests) and `receives` (reads, the wait for an insert's first tokens, what is done with the
+    window)."""
     def wrap(cls, name: str, label: str):
         inner = getattr(cls, name)
 
@@ -103,8 +104,9 @@ def timed_engine() -> None:
         setattr(cls, name, timed)
 
     wrap(_stream.Slots, "insert", "inserts")
-    wrap(_stream.Slots, "step", "steps")
-    wrap(_stream.Loop, "advance", "calls")
+    wrap(_stream.Slots, "send", "sends")
+    wrap(_stream.Slots, "receive", "receives")
+    wrap(_stream.Loop, "read", "reads")
 
 
 def start(app) -> tuple[uvicorn.Server, int]:
@@ -129,6 +131,8 @@ def main():
     parser.add_argument("--clients", choices=["process", "threads"], default="process",
                         help="the clients in a process of their own (bench/load_client.py: as real clients, they "
                              "share no interpreter lock with the server), or threads of the server's process")
+    parser.add_argument("--pipeline", action="store_true", help="the engine sends each call before reading the "
+                        "last (Server(pipeline=True))")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     timed_engine()
@@ -142,7 +146,7 @@ def main():
     rows = []
     for method in args.methods:
         app = Server(bundle, model_name="m", method=method, max_batch=args.max_batch, max_queue=4 * args.requests,
-                     warmup=(0.0,))
+                     warmup=(0.0,), pipeline=args.pipeline)
         server, port = start(app.app)
         base_url = f"http://127.0.0.1:{port}/v1"
         prompts = [bundle.tokenizer.apply_chat_template([{"role": "user", "content": REQUESTS[i % len(REQUESTS)]}])
@@ -174,7 +178,7 @@ def main():
                              generate_batch_tokens_per_second=base, vs_generate_batch=tokens / seconds / base,
                              steady_tokens_per_second=steady, steady_vs_generate_batch=steady and steady / base,
                              max_batch=args.max_batch, compiled_while_timed=compiled,
-                             slot_call_seconds=args.slot_call_seconds, clients=args.clients,
+                             slot_call_seconds=args.slot_call_seconds, clients=args.clients, pipeline=args.pipeline,
                              engine_seconds={k: round(v, 4) for k, v in sorted(engine.items())},
                              device=jax.devices()[0].device_kind))
             print(json.dumps(rows[-1]), flush=True)

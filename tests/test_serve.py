@@ -73,10 +73,12 @@ def test_chat_and_completions_are_generates_text_streamed_or_not():
     assert "".join(e["choices"][0]["text"] for e in events) == text
 
 
-def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one(monkeypatch, tmp_path):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one(monkeypatch, tmp_path, pipeline):
     """At most two slots, three requests: the first runs alone, the slots grow to two rows (the first carried
     over mid-sequence) when the others arrive, each ends at its own limit or stop string, and the third takes the
-    slot the short one frees while the first runs on; every reply is `generate`'s."""
+    slot the short one frees while the first runs on; every reply is `generate`'s, whether each call is read
+    before the next is sent or after (pipeline: rows freed and filled a call later)."""
     b = bundle()
     other = [{"role": "user", "content": "tell me more"}]
     prompt = b.tokenizer.apply_chat_template(MESSAGES)
@@ -90,18 +92,19 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one(monkeypatch
     for size in (1, 2):  # round times where the chain pays (else plain decoding would run outright)
         tiers = _auto.tiers(b, ["dflash"], sampled=False, batch=size, parameters=parameters)
         _auto.keep_costs(b, tiers, {"ar": 1.0, "dflash": 1.0}, sampled=False, exact=False, batch=size)
-    server = Server(b, method="auto", tiers=["dflash"], max_batch=2, start=False, warmup=(0.0,))  # started once
+    server = Server(b, method="auto", tiers=["dflash"], max_batch=2, start=False, warmup=(0.0,),
+                    pipeline=pipeline)  # started once the first request waits
     programs = len(_generate._COMPILED), insert_rows._cache_size()  # nothing compiles after the warm-up
     first_call, arrived = threading.Event(), threading.Event()
-    step = Slots.step
+    receive = Slots.receive
 
-    def held(self, *args, **kwargs):  # the first call waits for the other requests: they arrive while it runs
-        out = step(self, *args, **kwargs)
+    def held(self, *args, **kwargs):  # the first call read waits for the other requests: they arrive meanwhile
+        out = receive(self, *args, **kwargs)
         first_call.set()
         arrived.wait()
         return out
 
-    monkeypatch.setattr(Slots, "step", held)
+    monkeypatch.setattr(Slots, "receive", held)
     client = TestClient(server.app)
     stop = next(c for c in full[4:] if c != "\ufffd")
     requests = [{"messages": MESSAGES, "max_tokens": 16, "temperature": 0, "stop": stop},
@@ -128,7 +131,9 @@ def test_requests_share_the_batch_and_a_free_slot_takes_the_next_one(monkeypatch
     content = [r["choices"][0]["message"]["content"] for r in replies]
     assert content == [full[: full.index(stop)], *want]
     assert replies[0]["choices"][0]["finish_reason"] == "stop"
-    assert server.engine.batch_sizes[0] == 1 and server.engine.batch_sizes[1] == 2
+    # pipelined, the second call went out before the first was read: the others join at the third
+    expected_sizes = [1, 1, 2] if pipeline else [1, 2]
+    assert server.engine.batch_sizes[: len(expected_sizes)] == expected_sizes
     assert server.engine.slots.size == 2
     assert (len(_generate._COMPILED), insert_rows._cache_size()) == programs  # the growth's inserts too
     assert all(server.engine.slots.autopilot.rounds.values())  # both tiers ran

@@ -72,11 +72,13 @@ class Engine:
     The slots are as many as the jobs waiting when they were made (a power of two, at most `max_batch`, since an
     empty row costs a round as much as a full one) and grow, their sequences carried over, when more jobs of
     their settings wait than rows are free (clients arrive apart); jobs of other settings wait until the slots
-    drain, and the next slots fit them. `batch_sizes` records the rows in use per call."""
+    drain, and the next slots fit them. `batch_sizes` records the rows in use per call. pipeline: each call is
+    sent before the last is read, so the device runs while the host emits text and prepares inserts; a row that
+    frees in a call is known only after the next was sent, and takes a waiting request one call later."""
 
     def __init__(self, bundle, *, max_batch: int = 8, max_queue: int = 64, context: int | None = None,
-                 start: bool = True):
-        self.bundle, self.max_batch = bundle, max_batch
+                 pipeline: bool = False, start: bool = True):
+        self.bundle, self.max_batch, self.pipeline = bundle, max_batch, pipeline
         self.parameters = target_parameters(nnx.split(bundle.target)[1])  # for the default tree budgets
         self.context = context or min(bundle.config.max_seq_len, 8192)
         self.pending: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
@@ -93,10 +95,13 @@ class Engine:
         return job
 
     def _loop(self) -> None:
-        slots, waiting, texts = None, [], {}
+        slots, waiting, texts, sent = None, [], {}, None
         while True:
             busy = slots is not None and any(o is not None for o in slots.occupant)
             if not busy and not waiting:
+                if sent is not None:  # the last call of rows all released since: nothing in it to emit
+                    sent[0].receive(sent[1])
+                    sent = None
                 waiting.append(self.pending.get())
             while not self.pending.empty():
                 waiting.append(self.pending.get_nowait())
@@ -128,14 +133,18 @@ class Engine:
                     texts[id(job)] = Text(self.bundle.tokenizer, job.stop)
                 self.batch_sizes.append(sum(o is not None for o in slots.occupant))
                 queued = any(self._fits(slots, j) for j in waiting)  # a row that frees is taken at once
-                for job, tokens in slots.step(leave=queued):
-                    if id(job) in texts and self._emit(job, tokens, texts[id(job)]):
-                        del texts[id(job)]
-                        slots.release(slots.occupant.index(job))
+                before, sent = sent, (slots, slots.send(leave=queued))
+                if not self.pipeline:  # read each call before the next goes out
+                    before, sent = sent, None
+                if before is not None:
+                    for job, tokens in before[0].receive(before[1]):
+                        if id(job) in texts and self._emit(job, tokens, texts[id(job)]):
+                            del texts[id(job)]
+                            slots.release(slots.occupant.index(job))  # its row, wherever growth moved it
             except Exception as e:  # a failure must not stop the server: the clients it concerns hear why
                 for job in ([o for o in slots.occupant if o is not None] if slots else []) + waiting:
                     job.send("error", f"{type(e).__name__}: {e}", 0)
-                slots, waiting, texts = None, [], {}
+                slots, waiting, texts, sent = None, [], {}, None
 
     def warm_up(self, settings: tuple) -> None:
         """Compile what requests with `settings` run: slots of every size the engine makes (powers of two up to
@@ -249,10 +258,12 @@ class Server:
 
     def __init__(self, bundle, *, model_name: str | None = None, method: str = "auto", max_batch: int = 8,
                  max_queue: int = 64, context: int | None = None, api_key: str | None = None, start: bool = True,
-                 warmup: tuple[float, ...] = (), **method_options):
+                 warmup: tuple[float, ...] = (), pipeline: bool = False, **method_options):
         """warmup: temperatures whose programs for `method` are compiled before the server starts (every batch
         size, prompts up to 64 tokens, max_tokens up to 256): no request meeting those waits for a compiler
-        (seconds each). Other settings compile on their first request."""
+        (seconds each). Other settings compile on their first request. pipeline: the engine sends each call
+        before reading the last (the device never waits on the host's inserts and text; a freed row takes the
+        next request a call later) instead of reading each first (`Engine`)."""
         if bundle.tokenizer is None:
             raise ValueError("serving needs the bundle's tokenizer (bundle.tokenizer is None)")
         _require("starlette")
@@ -262,7 +273,8 @@ class Server:
         self.bundle, self.model_name = bundle, model_name or bundle.name or "weaver-jax"
         self.method, self.method_options = method, method_options
         self.api_key = api_key
-        self.engine = Engine(bundle, max_batch=max_batch, max_queue=max_queue, context=context, start=False)
+        self.engine = Engine(bundle, max_batch=max_batch, max_queue=max_queue, context=context, pipeline=pipeline,
+                             start=False)
         for temperature in warmup:
             self.engine.warm_up(Job.settings_of(method, method_options, temperature))
         if start:

@@ -432,19 +432,44 @@ class Slots:
         emitted: (occupant, new tokens) per row it ran for (a row inserted since the last call opens with its
         prefill's first token). tier: method="auto"'s tier for this call instead of the autopilot's choice (a
         server's warm-up compiles every tier)."""
+        return self.receive(self.send(leave, tier))
+
+    def send(self, leave: bool = False, tier=None) -> Sent:
+        """`step`'s call, sent and not read: the host may insert rows and send the next before `receive`-ing
+        this one (a row released meanwhile still runs in it: its tokens go to the occupant it had when sent)."""
         firsts, self._first = self._first, {}
-        opened = [(self.occupant[row], [int(np.asarray(tokens)[j, 0])]) for row, (tokens, j) in firsts.items()]
-        occupants = list(self.occupant)
+        opened = [(self.occupant[row], tokens, j) for row, (tokens, j) in firsts.items()]
         tier = tier or (self.autopilot and self.autopilot.next())
-        rounds_before = self.autopilot and int(self.state.rounds)
-        self.state, window = self.loop.advance(self.state, self.keys, self.halted, leave, tier=tier and tier.name)
-        emitted = [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(occupants) if o is not None]
+        # what the autopilot reads once the call is read: copies, since the next call takes the state's buffers
+        rounds_before = None if self.autopilot is None else jnp.copy(self.state.rounds)
+        self.state, window = self.loop.send(self.state, self.keys, self.halted, leave, tier=tier and tier.name)
+        after = (None, None) if self.autopilot is None else (jnp.copy(self.state.rounds), jnp.copy(self.state.done))
+        return Sent(window, list(self.occupant), opened, tier, rounds_before, *after, leave)
+
+    def receive(self, sent: Sent) -> list[tuple[object, list[int]]]:
+        """What the call `sent` emitted: (occupant, new tokens) per row it ran for, inserted rows first with their
+        prefill's first token."""
+        opened = [(o, [int(np.asarray(tokens)[j, 0])]) for o, tokens, j in sent.opened]
+        window = self.loop.read(sent.window, adapt=not sent.leave)
+        emitted = [(o, [int(t) for t in window[i] if t >= 0]) for i, o in enumerate(sent.occupants) if o is not None]
         if self.autopilot is not None and emitted:  # the rows still running after the call ran every round of it
-            done = np.asarray(self.state.done)
-            running = [not done[i] for i, o in enumerate(occupants) if o is not None]
-            self.autopilot.observe(tier, int(self.state.rounds) - rounds_before, [len(t) for _, t in emitted],
-                                   running)
+            done = np.asarray(sent.done)
+            running = [not done[i] for i, o in enumerate(sent.occupants) if o is not None]
+            self.autopilot.observe(sent.tier, int(sent.rounds_after) - int(sent.rounds_before),
+                                   [len(t) for _, t in emitted], running)
         return opened + emitted
+
+
+class Sent(NamedTuple):
+    """A `Slots` call on its way (`Slots.send`): its window and state scalars still on the device."""
+    window: jax.Array
+    occupants: list  # the rows' occupants when it was sent
+    opened: list  # (occupant, an insert's first tokens [K, T], its index there) for rows inserted before it
+    tier: object
+    rounds_before: jax.Array | None  # method="auto" only: the rounds run before and after it, the rows done
+    rounds_after: jax.Array | None
+    done: jax.Array | None
+    leave: bool
 
 
 def check_stop(stop, tokenizer) -> tuple[str, ...]:
