@@ -340,7 +340,8 @@ class Slots:
     """Continuous batching over the static-shape loop: `size` rows of one set of settings, each free or held by
     a sequence; `insert` prefills prompts into free rows between calls (each its own seed, its own start: its
     tokens are those `generate` gives it alone), `step` runs a call and returns what it emitted per occupied row
-    (read before the next call goes out, so a row whose sequence ended is free for the next one at once)."""
+    (read before the next call goes out, so a row whose sequence ended is free for the next one at once); `send`
+    and `receive` are its halves, for a server that sends the next call before reading the last."""
 
     def __init__(self, bundle, size: int, *, method: str, max_new_tokens: int, context: int, temperature=0.0,
                  top_k=0, top_p=1.0, exact=False, rounds_per_call: int | None = None, **method_options):
