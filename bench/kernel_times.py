@@ -1,6 +1,7 @@
 """Where a verification's time goes beside a decode step's: GPU time per kernel from a profiler trace.
 
     python bench/kernel_times.py --contexts 1024 16384 --nodes 1 64 --kernels on --json out.json
+    python bench/kernel_times.py --shape qwen3.6-27b --nodes 1 --exact --json out.json    # exact mode's step
 
 For each context, kernel setting and tree size (N = 1 is a decode step), `--steps` forwards of the
 Qwen3-8B-shaped target (random weights) run in one `fori_loop` with the cache carried, as
@@ -34,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
 from verify import TINY, random_tree, verify_body  # noqa: E402
 
-import weaver_jax as wj  # noqa: E402
 from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
 
 
@@ -90,22 +90,26 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024])
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--kernels", choices=["off", "on"], nargs="+", default=["on"])
+    parser.add_argument("--exact", action="store_true", help="exact mode's forward (issue 42: what its step "
+                        "spends beyond the default one's)")
     parser.add_argument("--steps", type=int, default=20, help="forwards per traced loop")
     parser.add_argument("--top", type=int, default=25, help="rows kept per configuration (by time)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     config = TINY.replace(dtype=dtype) if args.shape == "tiny" else bench.SHAPES[args.shape](dtype)
-    graphdef, params = nnx.split(bench.random_target(config))
+    target = bench.random_target(config)
+    graphdef, params = nnx.split(target)
     b, start = args.batch, jnp.zeros((args.batch,), jnp.int32)
     rows = []
     for context in args.contexts:
         size = -(-(context + max(args.nodes) + 1) // 128) * 128
-        cache = wj.KVCache.init(config, b, size).with_lengths(jnp.full((b,), context))
+        cache = target.init_cache(b, size).with_lengths(jnp.full((b,), context))  # (a hybrid's: GDN states too)
         for kernels in args.kernels:
             for n in args.nodes:
                 with kernel_scope(KERNELS if kernels == "on" else ()):
-                    body = verify_body(graphdef, random_tree(b, n, 15, config.vocab_size), config.vocab_size)
+                    body = verify_body(graphdef, random_tree(b, n, 15, config.vocab_size), config.vocab_size,
+                                       exact=args.exact)
                     loop = jax.jit(lambda carry, ws, body=body: jax.lax.fori_loop(
                         0, args.steps, lambda _, c: body(c, ws), carry))
                     compiled = loop.lower((start, cache), params).compile()  # once: its HLO names the kernels
@@ -114,7 +118,7 @@ def main():
                     jax.block_until_ready(compiled((start, cache), params))
                     wall = (time.perf_counter() - t0) / args.steps * 1e6
                     events = gpu_events(functools.partial(compiled, (start, cache), params))
-                where = dict(context=context, kernels=kernels, nodes=n)
+                where = dict(context=context, kernels=kernels, nodes=n, exact=args.exact)
                 total = collections.defaultdict(float)
                 calls = collections.Counter()
                 for name, op, us in events:

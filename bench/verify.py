@@ -79,16 +79,18 @@ def dus_write(cache_layer, new, lengths):
 CACHE_WRITES = {"scatter": _model._write, "dus": dus_write}
 
 
-def verify_body(graphdef, tree: Tree, vocab: int):
+def verify_body(graphdef, tree: Tree, vocab: int, exact: bool = False):
     """One target forward of `tree` per iteration, `(token, cache)` carried: the tree's K/V are written
     into the cache in place, as generate's loop writes them. (A cache passed as a loop-invariant
-    operand instead is copied whole before each layer's write: 1.2 ms a forward at 16K for Qwen3-8B.)"""
+    operand instead is copied whole before each layer's write: 1.2 ms a forward at 16K for Qwen3-8B.)
+    exact: exact mode's row-invariant forward."""
     attend = tree.ancestors()
 
     def body(carry, params):
         token, cache = carry
         tokens = (tree.tokens + token[:, None]) % vocab
-        out = nnx.merge(graphdef, params)(tokens, cache.lengths[:, None] + tree.depth, cache, attend)
+        out = nnx.merge(graphdef, params)(tokens, cache.lengths[:, None] + tree.depth, cache, attend,
+                                          **({"exact": True} if exact else {}))
         return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), out.cache
 
     return body
