@@ -7,8 +7,12 @@ drafter 15. At these M a product is bound by reading the weight once (an 8B shap
 201 MB: 54 us at 3.7 TB/s; the FLOPs of 65 rows take ~1/10 of that on the tensor cores), so the
 figure of merit is time / floor, the floor being one fused sum over the same matrix (`read`). For each
 weight matrix of one layer of `--shape` (and the LM head), for each M: XLA's product (what `dense`
-runs) and the `small_m` Pallas kernel (bench/small_m.py, a candidate) with each `--block-n` and `--split-k`, all
-inside a `fori_loop` with a loop-carried dependency, as (time(n + 1) - time(1)) / n (bench/decode.py).
+runs), exact mode's row-invariant product at each of `--tilings` (issue 42: its launch per weight shape),
+and with `--small-m` the `small_m` Pallas kernel (bench/small_m.py, a candidate) with each `--block-n` and
+`--split-k`, all inside a `fori_loop` with a loop-carried dependency, as (time(n + 1) - time(1)) / n
+(bench/decode.py).
+
+    python bench/gemm.py --shape qwen3.6-27b --rows 1 16 --tilings '{}' '{"block_k": 128}' '{"stages": 4}'
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import decode as bench  # noqa: E402
 from small_m import matmul as small_m  # noqa: E402
 
 from weaver_jax.pallas_kernels import interpret  # noqa: E402
+from weaver_jax.pallas_kernels.row_invariant import TILING  # noqa: E402
+from weaver_jax.pallas_kernels.row_invariant import matmul as row_invariant  # noqa: E402
 
 
 def layer_weights(config) -> dict[str, tuple[int, int]]:
@@ -44,6 +50,9 @@ def main():
     parser.add_argument("--shape", choices=sorted(bench.SHAPES), default="qwen3-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 48, 63, 64, 65, 80, 96, 128])
     parser.add_argument("--weights", nargs="+", help="default: every product of a layer and the LM head")
+    parser.add_argument("--tilings", type=json.loads, nargs="*", default=[{}],
+                        help="row-invariant product launches (JSON: fields of row_invariant.Tiling over its default)")
+    parser.add_argument("--small-m", action="store_true", help="also time bench/small_m.py's kernel")
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--split-k", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--block-k", type=int, default=128)
@@ -63,7 +72,11 @@ def main():
         for m in args.rows:
             x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(jnp.bfloat16)
             variants = {"xla": lambda x, w: x @ w}
-            for bn, sk in itertools.product(args.block_n, args.split_k):
+            for options in args.tilings:
+                tiling = TILING._replace(**options)
+                variants["row_invariant/" + "/".join(map(str, tiling))] = functools.partial(
+                    row_invariant, tiling=tiling, interpret=interpret())
+            for bn, sk in itertools.product(args.block_n, args.split_k) if args.small_m else ():
                 if n % bn or k % (sk * args.block_k):
                     continue
                 variants[f"small_m/{bn}/{sk}"] = functools.partial(

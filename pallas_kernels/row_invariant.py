@@ -6,7 +6,7 @@ logits then flips, and a speculative method stops matching `ar` token for token.
 each row's reduction order by what the row itself is, never by how many rows come with it:
 
   matmul: x `[M, K]` times w (`[K, N]`, or `[N, K]` with `transpose_w`) in float32. One program per
-    (16-row block, 64 columns, piece of K) accumulates its piece in 64-wide blocks, in order, and the
+    (16-row block, block of columns, piece of K) accumulates its piece block by block, in order, and the
     pieces' sums are added in index order; M is padded to 16 rows, so every row goes through the same
     programs whatever M is (a decode step's single row included). How many pieces K is cut into
     (`k_pieces`) follows from the weight's shape alone, never the rows: enough programs to fill the GPU
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,17 +36,32 @@ from weaver_jax._model import gqa_attention
 from weaver_jax.pallas_kernels import MASKED_SCORE
 from weaver_jax.pallas_kernels._call import pallas_call
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+BLOCK_M = 16
 BLOCK_P = 64  # positions per attention step
-PROGRAMS = 256  # per 16 rows: about two per SM of an H200, where K has pieces enough
 
 
-def k_pieces(k_blocks: int, n_blocks: int) -> int:
-    """How many pieces the product's K (`k_blocks` of BLOCK_K) is cut into, from the weight's shape alone: the
-    fewest (a divisor of k_blocks, each piece two blocks or more) that give PROGRAMS column-block programs, or
-    as many as there can be."""
+class Tiling(NamedTuple):
+    """The product's launch: output columns and K per block, Triton's pipeline stages and warps, and the programs
+    per 16 rows that K is cut into pieces to reach (about two per SM of an H200). A function of the weight's
+    shape at most, never of the rows: any tiling keeps rows invariant (a row's reduction order is the
+    tiling's)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    stages: int = 2
+    warps: int = 4
+    programs: int = 256
+
+
+TILING = Tiling()
+
+
+def k_pieces(k_blocks: int, n_blocks: int, programs: int = TILING.programs) -> int:
+    """How many pieces the product's K (`k_blocks` blocks) is cut into, from the weight's shape alone: the
+    fewest (a divisor of k_blocks, each piece two blocks or more) that give `programs` column-block programs,
+    or as many as there can be."""
     pieces = [d for d in range(1, k_blocks + 1) if k_blocks % d == 0 and (k_blocks // d >= 2 or d == 1)]
-    return next((d for d in pieces if d * n_blocks >= PROGRAMS), pieces[-1])
+    return next((d for d in pieces if d * n_blocks >= programs), pieces[-1])
 
 
 def matmul_reference(x, w, *, transpose_w: bool = False):
@@ -53,20 +69,20 @@ def matmul_reference(x, w, *, transpose_w: bool = False):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision, steps: int):
+def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision, steps: int, block_n: int, block_k: int):
     """One (row block, column block, piece of K): x_ref `[M_pad, K]`, w_ref the whole weight; the piece's
-    `steps` blocks of BLOCK_K, in order."""
+    `steps` blocks of block_k, in order."""
     rows = pl.ds(pl.program_id(0) * BLOCK_M, BLOCK_M)
-    columns = pl.ds(pl.program_id(1) * BLOCK_N, BLOCK_N)
+    columns = pl.ds(pl.program_id(1) * block_n, block_n)
     first = pl.program_id(2) * steps
 
     def step(i, acc):
-        depth = pl.ds((first + i) * BLOCK_K, BLOCK_K)
+        depth = pl.ds((first + i) * block_k, block_k)
         x = x_ref[rows, depth]
         w = w_ref[columns, depth] if transpose_w else w_ref[depth, columns]
         return acc + plgpu.dot(x, w, trans_b=transpose_w, precision=precision)
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
+    o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_M, block_n), jnp.float32))
 
 
 def _pad_to(a, axis: int, multiple: int):
@@ -76,11 +92,12 @@ def _pad_to(a, axis: int, multiple: int):
     return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
 
 
-@functools.partial(jax.jit, static_argnames=("transpose_w", "interpret", "poison"))
-def matmul(x, w, *, transpose_w: bool = False, interpret: bool = False, poison: bool = False):
+@functools.partial(jax.jit, static_argnames=("transpose_w", "tiling", "interpret", "poison"))
+def matmul(x, w, *, transpose_w: bool = False, tiling: Tiling = TILING, interpret: bool = False,
+           poison: bool = False):
     """x `[..., K]` @ w `[K, N]` (transpose_w: w `[N, K]`) -> `[..., N]` float32, each row's value
     independent of the other rows (see the module docstring). float32 operands multiply at full
-    precision. A K or N that is not a multiple of 64 pads the weight with zeros on every call
+    precision. A K or N that is not a multiple of the tiling's blocks pads the weight with zeros on every call
     (exact: a zero product changes no sum), which costs a copy: real models' widths need none."""
     *lead, k = x.shape
     n, w_k = (w.shape[0], w.shape[1]) if transpose_w else (w.shape[1], w.shape[0])
@@ -88,18 +105,21 @@ def matmul(x, w, *, transpose_w: bool = False, interpret: bool = False, poison: 
         raise ValueError(f"x has {k} columns but the weight's inner dimension is {w_k}")
     rows = x.reshape(-1, k)
     m = rows.shape[0]
-    rows = _pad_to(_pad_to(rows, 0, BLOCK_M), 1, BLOCK_K)
-    w = _pad_to(_pad_to(w, 1 if transpose_w else 0, BLOCK_K), 0 if transpose_w else 1, BLOCK_N)
+    bn, bk = tiling.block_n, tiling.block_k
+    rows = _pad_to(_pad_to(rows, 0, BLOCK_M), 1, bk)
+    w = _pad_to(_pad_to(w, 1 if transpose_w else 0, bk), 0 if transpose_w else 1, bn)
     m_pad, n_pad = rows.shape[0], w.shape[0] if transpose_w else w.shape[1]
-    k_blocks = rows.shape[1] // BLOCK_K
-    pieces = k_pieces(k_blocks, n_pad // BLOCK_N)
+    k_blocks = rows.shape[1] // bk
+    pieces = k_pieces(k_blocks, n_pad // bn, tiling.programs)
     precision = jax.lax.Precision.HIGHEST if jnp.promote_types(x.dtype, w.dtype) == jnp.float32 else None
     sums = pallas_call(
-        functools.partial(_matmul_kernel, transpose_w=transpose_w, precision=precision, steps=k_blocks // pieces),
-        [rows, w], grid=(m_pad // BLOCK_M, n_pad // BLOCK_N, pieces), in_specs=[pl.BlockSpec(), pl.BlockSpec()],
-        out_specs=pl.BlockSpec((None, BLOCK_M, BLOCK_N), lambda i, j, p: (p, i, j)),
+        functools.partial(_matmul_kernel, transpose_w=transpose_w, precision=precision, steps=k_blocks // pieces,
+                          block_n=bn, block_k=bk),
+        [rows, w], grid=(m_pad // BLOCK_M, n_pad // bn, pieces), in_specs=[pl.BlockSpec(), pl.BlockSpec()],
+        out_specs=pl.BlockSpec((None, BLOCK_M, bn), lambda i, j, p: (p, i, j)),
         out_shape=jax.ShapeDtypeStruct((pieces, m_pad, n_pad), jnp.float32),
-        name="row_invariant_matmul", num_warps=4, num_stages=2, interpret=interpret, poison=poison)
+        name="row_invariant_matmul", num_warps=tiling.warps, num_stages=tiling.stages, interpret=interpret,
+        poison=poison)
     out = functools.reduce(jnp.add, list(sums))  # the pieces in index order: elementwise, so still per row
     return out[:m, :n].reshape(*lead, n)
 

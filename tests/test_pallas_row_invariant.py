@@ -4,6 +4,7 @@ row's value is bitwise the same whatever rows come with it: the product one row 
 shuffled, a tree node's attention against the same node decoded alone after its committed path.
 Both kernels lower for CUDA (Triton) at the library's shapes."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from weaver_jax._model import position_path
-from weaver_jax.pallas_kernels import interpret
+from weaver_jax.pallas_kernels import interpret, row_invariant
 from weaver_jax.pallas_kernels.row_invariant import attention, attention_reference, matmul, matmul_reference
 
 from .cuda import lower_for_cuda
@@ -26,25 +27,25 @@ def fresh_rng():
     return seed, np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("m,k,n,transpose_w,dtype", [
-    (37, 96, 80, False, jnp.bfloat16),  # K and N padded, M not a multiple of 16
-    (1, 64, 64, False, jnp.float32),
-    (20, 128, 192, True, jnp.bfloat16),  # the tied LM head's layout
-    (17, 512, 64, False, jnp.bfloat16),  # K in 4 pieces (few output columns), their sums added in order
+@pytest.mark.parametrize("m,k,n,transpose_w,dtype,tiling", [
+    (37, 96, 80, False, jnp.bfloat16, row_invariant.TILING),  # K and N padded, M not a multiple of 16
+    (1, 64, 64, False, jnp.float32, row_invariant.TILING),
+    (20, 128, 192, True, jnp.bfloat16, row_invariant.TILING),  # the tied LM head's layout
+    (17, 512, 64, False, jnp.bfloat16, row_invariant.TILING),  # K in 4 pieces (few columns), their sums added in order
+    (18, 512, 96, False, jnp.bfloat16, row_invariant.Tiling(block_n=32, block_k=128, stages=3, programs=8)),
 ])
-def test_matmul_matches_reference_and_is_row_invariant(m, k, n, transpose_w, dtype):
+def test_matmul_matches_reference_and_is_row_invariant(m, k, n, transpose_w, dtype, tiling):
     seed, rng = fresh_rng()
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)
-    out = matmul(x, w, transpose_w=transpose_w, interpret=interpret(), poison=True)
+    product = functools.partial(matmul, transpose_w=transpose_w, tiling=tiling, interpret=interpret())
+    out = product(x, w, poison=True)
     np.testing.assert_allclose(out, matmul_reference(x, w, transpose_w=transpose_w), rtol=1e-5, atol=1e-4,
                                err_msg=f"seed {seed}")
     for i in sorted({0, m // 2, m - 1}):  # alone: a decode step's single row
-        np.testing.assert_array_equal(matmul(x[i:i + 1], w, transpose_w=transpose_w, interpret=interpret())[0], out[i],
-                                      err_msg=f"seed {seed}, row {i}")
+        np.testing.assert_array_equal(product(x[i:i + 1], w)[0], out[i], err_msg=f"seed {seed}, row {i}")
     order = rng.permutation(m)  # every row in another tile position
-    np.testing.assert_array_equal(matmul(x[order], w, transpose_w=transpose_w, interpret=interpret()), out[order],
-                                  err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(product(x[order], w), out[order], err_msg=f"seed {seed}")
 
 
 def random_paths(rng, nodes: int):
