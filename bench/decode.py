@@ -29,6 +29,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
 from weaver_jax._hybrid import qwen3_6_27b, qwen_layer_types  # noqa: E402
+from weaver_jax.pallas_kernels import row_invariant  # noqa: E402
 
 SHAPES = {"qwen3-8b": wj.qwen3_8b, "smollm2-135m": wj.smollm2_135m,
           # hybrid Gated DeltaNet targets: the real shape, and a narrow one of the same schedule (a CPU check)
@@ -197,6 +198,9 @@ def main():
                         "against the default step of the same run)")
     parser.add_argument("--steps-only", action="store_true", help="with --exact: only the looped decode step, "
                         "default and exact, from a cache at --context (no floor, no prefill)")
+    parser.add_argument("--tilings", type=json.loads, nargs="+", default=[{}],
+                        help="with --steps-only: exact mode's product launches to time, each JSON of "
+                             "row_invariant.Tiling's fields over its default")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -209,14 +213,17 @@ def main():
     rows = []
     for b in args.batch:
         if args.steps_only:
-            default, exact = (looped_step_seconds(target, b, args.context, args.cache, e, args.repeats)
-                              for e in (False, True))
-            rows.append(dict(shape=args.shape, dtype=dtype, batch=b, context=args.context, step_ms=default * 1e3,
-                             exact_step_ms=exact * 1e3, exact_over_default=exact / default, label=args.label,
-                             device=jax.devices()[0].device_kind, jax=jax.__version__))
-            print(json.dumps(rows[-1]), flush=True)
-            if args.json:
-                args.json.write_text(json.dumps(rows, indent=1))
+            default = looped_step_seconds(target, b, args.context, args.cache, False, args.repeats)
+            for options in args.tilings:
+                row_invariant.TILING = tiling = row_invariant.Tiling()._replace(**options)
+                exact = looped_step_seconds(target, b, args.context, args.cache, True, args.repeats)
+                rows.append(dict(shape=args.shape, dtype=dtype, batch=b, context=args.context,
+                                 step_ms=default * 1e3, exact_step_ms=exact * 1e3, exact_over_default=exact / default,
+                                 tiling=tiling._asdict(), label=args.label, device=jax.devices()[0].device_kind,
+                                 jax=jax.__version__))
+                print(json.dumps(rows[-1]), flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(rows, indent=1))
             continue
         floors = floor_seconds(target, b, args.repeats)
         floor, nbytes = min(floors["floor_matvec"], floors["floor_read"]), floors["weight_bytes"]

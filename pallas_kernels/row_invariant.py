@@ -69,20 +69,23 @@ def matmul_reference(x, w, *, transpose_w: bool = False):
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision, steps: int, block_n: int, block_k: int):
-    """One (row block, column block, piece of K): x_ref `[M_pad, K]`, w_ref the whole weight; the piece's
-    `steps` blocks of block_k, in order."""
-    rows = pl.ds(pl.program_id(0) * BLOCK_M, BLOCK_M)
+def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision, steps: int, block_n: int, block_k: int,
+                   rows: int):
+    """One (row block, column block, piece of K): x_ref / o_ref the block's `[BLOCK_M, K]` / `[BLOCK_M, block_n]`
+    of `rows` rows in all (the last block's rows past them are neither read nor written), w_ref the whole
+    weight; the piece's `steps` blocks of block_k, in order."""
     columns = pl.ds(pl.program_id(1) * block_n, block_n)
     first = pl.program_id(2) * steps
+    present = (pl.program_id(0) * BLOCK_M + jnp.arange(BLOCK_M) < rows)[:, None]
 
     def step(i, acc):
         depth = pl.ds((first + i) * block_k, block_k)
-        x = x_ref[rows, depth]
+        x = plgpu.load(x_ref.at[:, depth], mask=present, other=0)
         w = w_ref[columns, depth] if transpose_w else w_ref[depth, columns]
         return acc + plgpu.dot(x, w, trans_b=transpose_w, precision=precision)
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_M, block_n), jnp.float32))
+    plgpu.store(o_ref.at[:, :], jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_M, block_n), jnp.float32)),
+                mask=present)
 
 
 def _pad_to(a, axis: int, multiple: int):
@@ -92,36 +95,44 @@ def _pad_to(a, axis: int, multiple: int):
     return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
 
 
-@functools.partial(jax.jit, static_argnames=("transpose_w", "tiling", "interpret", "poison"))
-def matmul(x, w, *, transpose_w: bool = False, tiling: Tiling = TILING, interpret: bool = False,
+def matmul(x, w, *, transpose_w: bool = False, tiling: Tiling | None = None, interpret: bool = False,
            poison: bool = False):
     """x `[..., K]` @ w `[K, N]` (transpose_w: w `[N, K]`) -> `[..., N]` float32, each row's value
-    independent of the other rows (see the module docstring). float32 operands multiply at full
-    precision. A K or N that is not a multiple of the tiling's blocks pads the weight with zeros on every call
-    (exact: a zero product changes no sum), which costs a copy: real models' widths need none."""
+    independent of the other rows (see the module docstring); tiling: the launch (default: `TILING` as it is
+    at the call). float32 operands multiply at full precision. A K or N that is not a multiple of the tiling's
+    blocks pads the weight with zeros on every call (exact: a zero product changes no sum), which costs a copy:
+    real models' widths need none."""
+    return _matmul(x, w, transpose_w=transpose_w, tiling=TILING if tiling is None else tiling, interpret=interpret,
+                   poison=poison)
+
+
+@functools.partial(jax.jit, static_argnames=("transpose_w", "tiling", "interpret", "poison"))
+def _matmul(x, w, *, transpose_w: bool, tiling: Tiling, interpret: bool, poison: bool):
     *lead, k = x.shape
     n, w_k = (w.shape[0], w.shape[1]) if transpose_w else (w.shape[1], w.shape[0])
     if w_k != k:
         raise ValueError(f"x has {k} columns but the weight's inner dimension is {w_k}")
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
     bn, bk = tiling.block_n, tiling.block_k
-    rows = _pad_to(_pad_to(rows, 0, BLOCK_M), 1, bk)
+    # rows are not padded to BLOCK_M (the kernel masks the last block's): a pad here was fused with the norm
+    # before it, which XLA then recomputed for every element of the pad (27B exact step: 6.7 of 31 ms)
+    rows = _pad_to(x.reshape(-1, k), 1, bk)
+    m = rows.shape[0]
     w = _pad_to(_pad_to(w, 1 if transpose_w else 0, bk), 0 if transpose_w else 1, bn)
-    m_pad, n_pad = rows.shape[0], w.shape[0] if transpose_w else w.shape[1]
+    n_pad = w.shape[0] if transpose_w else w.shape[1]
     k_blocks = rows.shape[1] // bk
     pieces = k_pieces(k_blocks, n_pad // bn, tiling.programs)
     precision = jax.lax.Precision.HIGHEST if jnp.promote_types(x.dtype, w.dtype) == jnp.float32 else None
     sums = pallas_call(
         functools.partial(_matmul_kernel, transpose_w=transpose_w, precision=precision, steps=k_blocks // pieces,
-                          block_n=bn, block_k=bk),
-        [rows, w], grid=(m_pad // BLOCK_M, n_pad // bn, pieces), in_specs=[pl.BlockSpec(), pl.BlockSpec()],
+                          block_n=bn, block_k=bk, rows=m),
+        [rows, w], grid=(pl.cdiv(m, BLOCK_M), n_pad // bn, pieces),
+        in_specs=[pl.BlockSpec((BLOCK_M, rows.shape[1]), lambda i, j, p: (i, 0)), pl.BlockSpec()],
         out_specs=pl.BlockSpec((None, BLOCK_M, bn), lambda i, j, p: (p, i, j)),
-        out_shape=jax.ShapeDtypeStruct((pieces, m_pad, n_pad), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((pieces, m, n_pad), jnp.float32),
         name="row_invariant_matmul", num_warps=tiling.warps, num_stages=tiling.stages, interpret=interpret,
         poison=poison)
     out = functools.reduce(jnp.add, list(sums))  # the pieces in index order: elementwise, so still per row
-    return out[:m, :n].reshape(*lead, n)
+    return out[:, :n].reshape(*lead, n)
 
 
 def attention_reference(q, k_cache, v_cache, positions, lengths, path):
