@@ -233,10 +233,12 @@ _local = threading.local()  # `_local.gate`, `_local.cell`: a tune thread's _Gat
 
 def measure(loop, state, tiers_: list[Tier], keys) -> dict[str, float]:
     """Seconds per round of each tier, timed on copies of `state` (a prefilled batch: the calls' own programs,
-    compiled here): the time of a call of 1 + TIMED_ROUNDS rounds less one of 1, over the rounds run between them
-    (a batch that ends sooner runs fewer), best of two. Tiers that cannot win are skipped: once the cheapest
-    drafted round costs more plain steps than any tier's prior τ (a drafted round costs at least the
-    drafter's pass), nothing dearer is timed. -> {tier name: seconds} for those measured."""
+    compiled here): the time of a call of 1 + TIMED_ROUNDS rounds less one of 1, over the rounds run between
+    them (a batch that ends sooner runs fewer), the median of three such pairs, each pair's calls back to back
+    (on an H100 a best-of-two of each kind once timed the chain's round at 0.58x a plain step). Tiers that
+    cannot win are skipped: once the cheapest drafted round costs more plain steps than any tier's prior τ (a
+    drafted round costs at least the drafter's pass), nothing dearer is timed. -> {tier name: seconds} for those
+    measured."""
     halted = np.zeros(keys.shape[:1], bool)
     loop.compile(state, keys, halted, [t.name for t in tiers_])
     gate = getattr(_local, "gate", None)
@@ -262,11 +264,11 @@ def _timed_rounds(loop, state, tiers_: list[Tier], keys, halted) -> dict[str, fl
             out[tier.name] = None  # cannot win here
             continue
         timed(tier, 1)  # warm
-        ones = [timed(tier, 1) for _ in range(2)]
-        longs = [timed(tier, 1 + TIMED_ROUNDS) for _ in range(2)]
+        pairs = [(timed(tier, 1), timed(tier, 1 + TIMED_ROUNDS)) for _ in range(3)]  # interleaved: drift cancels
+        ones, longs = zip(*pairs, strict=True)
         rounds = min(r for _, r in longs) - max(r for _, r in ones)
-        out[tier.name] = max((min(t for t, _ in longs) - min(t for t, _ in ones)) / rounds, 1e-7) if rounds >= 2 \
-            else None
+        seconds = float(np.median([t_long - t_one for (t_one, _), (t_long, _) in pairs]))
+        out[tier.name] = max(seconds / rounds, 1e-7) if rounds >= 2 else None
         if out["ar"] is None:  # too few rounds to time: a call this short runs plain steps, and keeps nothing
             return {}
     return out
