@@ -70,38 +70,36 @@ def matmul_reference(x, w, *, transpose_w: bool = False):
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision, steps: int, block_n: int, block_k: int,
-                   rows: int):
-    """One (row block, column block, piece of K): x_ref / o_ref the block's `[BLOCK_M, K]` / `[BLOCK_M, block_n]`
-    of `rows` rows in all (the last block's rows past them are neither read nor written), w_ref the whole
-    weight; the piece's `steps` blocks of block_k, in order."""
+                   shape: tuple[int, int, int]):
+    """One (row block, column block, piece of K): x_ref / o_ref the block's `[BLOCK_M, K]` / `[BLOCK_M, N]`,
+    w_ref the whole weight; the piece's `steps` blocks of block_k, in order. shape: (M, K, N); what the last
+    blocks hold past them is read as zeros (a zero product changes no sum) and not written."""
+    m, k, n = shape
     columns = pl.ds(pl.program_id(1) * block_n, block_n)
     first = pl.program_id(2) * steps
-    present = (pl.program_id(0) * BLOCK_M + jnp.arange(BLOCK_M) < rows)[:, None]
+    present = (pl.program_id(0) * BLOCK_M + jnp.arange(BLOCK_M) < m)[:, None]
+    in_n = (pl.program_id(1) * block_n + jnp.arange(block_n) < n) if n % block_n else None
 
     def step(i, acc):
         depth = pl.ds((first + i) * block_k, block_k)
-        x = plgpu.load(x_ref.at[:, depth], mask=present, other=0)
-        w = w_ref[columns, depth] if transpose_w else w_ref[depth, columns]
+        in_k = ((first + i) * block_k + jnp.arange(block_k) < k) if k % block_k else None
+        x = plgpu.load(x_ref.at[:, depth], mask=present if in_k is None else present & in_k[None, :], other=0)
+        w_mask = None if in_k is None and in_n is None else (
+            (True if in_n is None else in_n[:, None]) & (True if in_k is None else in_k[None, :]) if transpose_w
+            else (True if in_k is None else in_k[:, None]) & (True if in_n is None else in_n[None, :]))
+        block = w_ref.at[columns, depth] if transpose_w else w_ref.at[depth, columns]
+        w = block[...] if w_mask is None else plgpu.load(block, mask=w_mask, other=0)
         return acc + plgpu.dot(x, w, trans_b=transpose_w, precision=precision)
 
-    plgpu.store(o_ref.at[:, :], jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_M, block_n), jnp.float32)),
-                mask=present)
-
-
-def _pad_to(a, axis: int, multiple: int):
-    extra = -a.shape[axis] % multiple
-    if not extra:
-        return a
-    return jnp.pad(a, [(0, extra if i == axis else 0) for i in range(a.ndim)])
+    out = jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_M, block_n), jnp.float32))
+    plgpu.store(o_ref.at[:, :], out, mask=present if in_n is None else present & in_n[None, :])
 
 
 def matmul(x, w, *, transpose_w: bool = False, tiling: Tiling | None = None, interpret: bool = False,
            poison: bool = False):
     """x `[..., K]` @ w `[K, N]` (transpose_w: w `[N, K]`) -> `[..., N]` float32, each row's value
     independent of the other rows (see the module docstring); tiling: the launch (default: `TILING` as it is
-    at the call). float32 operands multiply at full precision. A K or N that is not a multiple of the tiling's
-    blocks pads the weight with zeros on every call (exact: a zero product changes no sum), which costs a copy:
-    real models' widths need none."""
+    at the call). float32 operands multiply at full precision."""
     return _matmul(x, w, transpose_w=transpose_w, tiling=TILING if tiling is None else tiling, interpret=interpret,
                    poison=poison)
 
@@ -113,26 +111,23 @@ def _matmul(x, w, *, transpose_w: bool, tiling: Tiling, interpret: bool, poison:
     if w_k != k:
         raise ValueError(f"x has {k} columns but the weight's inner dimension is {w_k}")
     bn, bk = tiling.block_n, tiling.block_k
-    # rows are not padded to BLOCK_M (the kernel masks the last block's): a pad here was fused with the norm
-    # before it, which XLA then recomputed for every element of the pad (27B exact step: 6.7 of 31 ms)
-    rows = _pad_to(x.reshape(-1, k), 1, bk)
-    m = rows.shape[0]
-    w = _pad_to(_pad_to(w, 1 if transpose_w else 0, bk), 0 if transpose_w else 1, bn)
-    n_pad = w.shape[0] if transpose_w else w.shape[1]
-    k_blocks = rows.shape[1] // bk
-    pieces = k_pieces(k_blocks, n_pad // bn, tiling.programs)
+    # nothing is padded (the kernel masks its last blocks): a pad of the rows to 16 was fused with the norm
+    # before it, which XLA recomputed for every element of the pad (27B exact step: 6.7 of 31 ms)
+    rows = x.reshape(-1, k)
+    m, n_blocks, k_blocks = rows.shape[0], pl.cdiv(n, bn), pl.cdiv(k, bk)
+    pieces = k_pieces(k_blocks, n_blocks, tiling.programs)
     precision = jax.lax.Precision.HIGHEST if jnp.promote_types(x.dtype, w.dtype) == jnp.float32 else None
     sums = pallas_call(
         functools.partial(_matmul_kernel, transpose_w=transpose_w, precision=precision, steps=k_blocks // pieces,
-                          block_n=bn, block_k=bk, rows=m),
-        [rows, w], grid=(pl.cdiv(m, BLOCK_M), n_pad // bn, pieces),
-        in_specs=[pl.BlockSpec((BLOCK_M, rows.shape[1]), lambda i, j, p: (i, 0)), pl.BlockSpec()],
+                          block_n=bn, block_k=bk, shape=(m, k, n)),
+        [rows, w], grid=(pl.cdiv(m, BLOCK_M), n_blocks, pieces),
+        in_specs=[pl.BlockSpec((BLOCK_M, k), lambda i, j, p: (i, 0)), pl.BlockSpec()],
         out_specs=pl.BlockSpec((None, BLOCK_M, bn), lambda i, j, p: (p, i, j)),
-        out_shape=jax.ShapeDtypeStruct((pieces, m, n_pad), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((pieces, m, n), jnp.float32),
         name="row_invariant_matmul", num_warps=tiling.warps, num_stages=tiling.stages, interpret=interpret,
         poison=poison)
     out = functools.reduce(jnp.add, list(sums))  # the pieces in index order: elementwise, so still per row
-    return out[:, :n].reshape(*lead, n)
+    return out.reshape(*lead, n)
 
 
 def attention_reference(q, k_cache, v_cache, positions, lengths, path):

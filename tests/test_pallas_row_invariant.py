@@ -92,13 +92,15 @@ def test_attention_matches_reference_and_is_row_invariant(b, n, h, kv, d, prefix
             np.testing.assert_array_equal(alone[0, 0], out[r, i], err_msg=f"seed {seed}, sequence {r}, node {i}")
 
 
-MATMUL_SHAPES = [(1, 576, 960, False), (25, 1536, 576, False), (1, 576, 49152, True), (65, 4096, 12288, False)]
+MATMUL_SHAPES = [(1, 576, 960, False), (25, 1536, 576, False), (1, 576, 49152, True), (65, 4096, 12288, False),
+                 (3, 5120, 48, False), (2, 96, 80, True)]  # the 27B's GDN gates (N masked); N and K masked
 
 
 @pytest.mark.parametrize("m,k,n,transpose_w", MATMUL_SHAPES)  # SmolLM2's qkv, MLP-down and tied head; Qwen3-8B's qkv
 def test_matmul_lowers_for_cuda(m, k, n, transpose_w):
-    lower_for_cuda(matmul, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-                   jax.ShapeDtypeStruct((n, k) if transpose_w else (k, n), jnp.bfloat16), transpose_w=transpose_w)
+    product = jax.jit(functools.partial(matmul, transpose_w=transpose_w))
+    lower_for_cuda(product, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((n, k) if transpose_w else (k, n), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("b,t,h,kv,d,s", [(1, 1, 9, 3, 64, 2048), (8, 25, 9, 3, 64, 512), (1, 65, 32, 8, 128, 1536)])
