@@ -7,8 +7,8 @@ each row's reduction order by what the row itself is, never by how many rows com
 
   matmul: x `[M, K]` times w (`[K, N]`, or `[N, K]` with `transpose_w`) in float32. One program per
     (16-row block, block of columns, piece of K) accumulates its piece block by block, in order, and the
-    pieces' sums are added in index order; M is padded to 16 rows, so every row goes through the same
-    programs whatever M is (a decode step's single row included). How many pieces K is cut into
+    pieces' sums are added in index order; M is cut into blocks of 16 rows (the last one masked), so every row
+    goes through the same programs whatever M is (a decode step's single row included). How many pieces K is cut into
     (`k_pieces`) follows from the weight's shape alone, never the rows: enough programs to fill the GPU
     where a weight has few output columns (SmolLM2's 576: 9 column blocks, of 132 SMs).
   attention: one program per (sequence, token, query head) walks the positions `0 ..` its own in
@@ -78,21 +78,32 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, transpose_w: bool, precision, steps: 
     columns = pl.ds(pl.program_id(1) * block_n, block_n)
     first = pl.program_id(2) * steps
     present = (pl.program_id(0) * BLOCK_M + jnp.arange(BLOCK_M) < m)[:, None]
-    in_n = (pl.program_id(1) * block_n + jnp.arange(block_n) < n) if n % block_n else None
+    in_n = (pl.program_id(1) * block_n + jnp.arange(block_n) < n) if n % block_n else None  # None: all are
 
     def step(i, acc):
         depth = pl.ds((first + i) * block_k, block_k)
         in_k = ((first + i) * block_k + jnp.arange(block_k) < k) if k % block_k else None
-        x = plgpu.load(x_ref.at[:, depth], mask=present if in_k is None else present & in_k[None, :], other=0)
-        w_mask = None if in_k is None and in_n is None else (
-            (True if in_n is None else in_n[:, None]) & (True if in_k is None else in_k[None, :]) if transpose_w
-            else (True if in_k is None else in_k[:, None]) & (True if in_n is None else in_n[None, :]))
-        block = w_ref.at[columns, depth] if transpose_w else w_ref.at[depth, columns]
+        x = plgpu.load(x_ref.at[:, depth], mask=_all(present, _along(in_k, 1)), other=0)
+        if transpose_w:
+            block, w_mask = w_ref.at[columns, depth], _all(_along(in_n, 0), _along(in_k, 1))
+        else:
+            block, w_mask = w_ref.at[depth, columns], _all(_along(in_k, 0), _along(in_n, 1))
         w = block[...] if w_mask is None else plgpu.load(block, mask=w_mask, other=0)
         return acc + plgpu.dot(x, w, trans_b=transpose_w, precision=precision)
 
     out = jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_M, block_n), jnp.float32))
-    plgpu.store(o_ref.at[:, :], out, mask=present if in_n is None else present & in_n[None, :])
+    plgpu.store(o_ref.at[:, :], out, mask=_all(present, _along(in_n, 1)))
+
+
+def _along(mask, axis: int):
+    """A vector mask as a column (axis 0) or a row (axis 1) of a 2-D block; None (nothing masked) stays None."""
+    return None if mask is None else mask[:, None] if axis == 0 else mask[None, :]
+
+
+def _all(*masks):
+    """The masks' conjunction, broadcast; None where every one is None (a load or store that needs none)."""
+    masks = [m for m in masks if m is not None]
+    return functools.reduce(jnp.logical_and, masks) if masks else None
 
 
 def matmul(x, w, *, transpose_w: bool = False, tiling: Tiling | None = None, interpret: bool = False,

@@ -28,7 +28,7 @@ def fresh_rng():
 
 
 @pytest.mark.parametrize("m,k,n,transpose_w,dtype,tiling", [
-    (37, 96, 80, False, jnp.bfloat16, row_invariant.TILING),  # K and N padded, M not a multiple of 16
+    (37, 96, 80, False, jnp.bfloat16, row_invariant.TILING),  # K and N masked, M not a multiple of 16
     (1, 64, 64, False, jnp.float32, row_invariant.TILING),
     (20, 128, 192, True, jnp.bfloat16, row_invariant.TILING),  # the tied LM head's layout
     (17, 512, 64, False, jnp.bfloat16, row_invariant.TILING),  # K in 4 pieces (few columns), their sums added in order
