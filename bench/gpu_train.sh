@@ -302,8 +302,8 @@ while [ $# -gt 0 ]; do
       shift 2 ;;
     tune)  # tune BATCHES TEMPERATURES: `weaver-jax tune` (method="auto"'s cost model) timed; the file into $OUT
       need_gguf; named_gguf
-      # timed as a user runs it, without the persistent compilation cache (with it: 84 s; the same programs
-      # without it, bench/tune_split.py: 48 s)
+      # timed as a user runs it, without the persistent compilation cache (with it, 2026-12-05: 84 s; the same
+      # programs without it on another host, bench/tune_split.py: 48 s - the cache's share not measured apart)
       t0=$SECONDS; env -u JAX_COMPILATION_CACHE_DIR $W tune --batch $2 --temperature $3 2>&1 | grep -v "^\[\|^W1\|^I1"
       echo "tune took $((SECONDS - t0)) s"; cp "$WEAVER_JAX_CACHE/auto_costs.json" "$OUT/"
       shift 3 ;;
