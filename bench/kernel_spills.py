@@ -12,6 +12,7 @@ report shows a stack frame of kilobytes (spills to local memory) ran 10-100x slo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -53,11 +54,11 @@ print(json.dumps(dict(registers=numbers(r"Used (\d+) registers")[0], stack_bytes
 """
 
 
-def tree_gdn_module(nodes: int, precision: str, block_v: int) -> str:
-    """The Triton IR of tree_gdn at Qwen3.6-27B's GDN heads (bench/hybrid.py's inputs), B = 1."""
+def tree_gdn_modules(nodes: int, precision: str, block_v: int) -> list[str]:
+    """The Triton IR of tree_gdn's kernels (the system, then the solve) at Qwen3.6-27B's GDN heads
+    (bench/hybrid.py's inputs), B = 1."""
     args = jax.eval_shape(lambda: random_inputs(qwen3_6_27b(), 1, nodes))
-    [module] = lower_with_triton_modules(tree_gdn, *args, precision=precision, block_v=block_v)[1]
-    return module
+    return lower_with_triton_modules(tree_gdn, *args, precision=precision, block_v=block_v)[1]
 
 
 def main():
@@ -71,19 +72,18 @@ def main():
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for nodes in args.nodes:
-            for precision in args.precision:
-                for block_v in args.block_v:
-                    path = Path(tmp) / f"tree_gdn_{nodes}_{precision}_{block_v}.ttir"
-                    path.write_text(tree_gdn_module(nodes, precision, block_v))
-                    for warps in args.warps:
-                        out = subprocess.run([args.triton_python, "-c", COMPILE, str(path), str(warps)],
-                                             capture_output=True, text=True)
-                        if out.returncode:
-                            raise SystemExit(f"compiling {path.name} failed:\n{out.stderr[-2000:]}")
-                        rows.append(dict(kernel="tree_gdn", nodes=nodes, precision=precision, block_v=block_v,
-                                         warps=warps, **json.loads(out.stdout.strip().splitlines()[-1])))
-                        print(json.dumps(rows[-1]), flush=True)
+        for nodes, precision, block_v in itertools.product(args.nodes, args.precision, args.block_v):
+            for kernel, module in zip(("system", "solve"), tree_gdn_modules(nodes, precision, block_v), strict=True):
+                path = Path(tmp) / f"tree_gdn_{kernel}_{nodes}_{precision}_{block_v}.ttir"
+                path.write_text(module)
+                for warps in args.warps:
+                    out = subprocess.run([args.triton_python, "-c", COMPILE, str(path), str(warps)],
+                                         capture_output=True, text=True)
+                    if out.returncode:
+                        raise SystemExit(f"compiling {path.name} failed:\n{out.stderr[-2000:]}")
+                    rows.append(dict(kernel=f"tree_gdn_{kernel}", nodes=nodes, precision=precision, block_v=block_v,
+                                     warps=warps, **json.loads(out.stdout.strip().splitlines()[-1])))
+                    print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

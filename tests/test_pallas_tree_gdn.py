@@ -59,7 +59,7 @@ def test_default_precision_is_as_accurate_as_xla():
     """At JAX's default matmul precision the kernel's products are single-pass TF32, as XLA's float32
     products are on a GPU. On a 65-node tree at the GDN head size (128), against the reference at
     "highest": within 4x XLA's error at that precision (measured ~2.2x at the Qwen3.6-27B shape: the
-    kernel chains more rounded products, the 16 x 16 inverse by 15 steps) and a quarter of bfloat16's
+    kernel chains more rounded products, a block at a time) and a quarter of bfloat16's
     half-ulp, where a hybrid target rounds the layer's output."""
     if jax.default_backend() != "gpu":
         pytest.fail("a GPU check (make test-gpu): interpret mode computes at full float32")
