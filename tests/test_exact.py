@@ -2,8 +2,6 @@
 speculative method's output, greedy or sampled with a seed, is bitwise `ar`'s (the default mode
 rounds a tree's rows differently from a decode step's, and a near-tie can flip)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,16 +17,10 @@ from .test_pallas_row_invariant import random_paths
 HYBRID_LAYERS = ("linear_attention", "full_attention")
 
 
-@pytest.mark.parametrize("family,layer_types", [
-    ("qwen3", None), ("qwen3_5", HYBRID_LAYERS),
-    # on a GPU (make test-gpu), each of the hybrid's layer kinds alone: which one a failure above comes from
-    pytest.param("qwen3_5", ("linear_attention",), marks=pytest.mark.gpu),
-    pytest.param("qwen3_5", ("full_attention",), marks=pytest.mark.gpu)])
-def test_tree_logits_equal_the_prefill_of_each_path(family, layer_types):
-    """A verified tree's logits at each node equal, bit for bit, the logits of a plain causal forward
-    over the prompt and that node's path; without exact mode they do not. The hybrid target (Gated DeltaNet
-    layers and gated attention): its prompt prefilled token by token, each node's recurrence along its own
-    path, and the forward over a whole path (a chain of one node per token) agree too."""
+def tree_and_prefill_logits(family: str, layer_types: tuple[str, ...] | None, jit: bool = True) -> dict:
+    """A random bfloat16 target's logits for a 12-node tree after a 21-token prompt, `[12, V]`, and each node's
+    logits from a causal forward over the prompt and its path alone, `[12, V]`: {exact: (tree, alone)} for exact
+    mode on and off. jit False: op by op (`jax.disable_jit`: nothing fused; bench/exact_probe.py compares)."""
     hybrid = {"layer_types": layer_types} if layer_types else {}
     rb = random_bundle(1, dtype="bfloat16", family=family, tie_embeddings=True, drafter=False, **hybrid)
     target, rng = rb.target, np.random.default_rng(0)
@@ -45,7 +37,6 @@ def test_tree_logits_equal_the_prefill_of_each_path(family, layer_types):
 
     graphdef, params = nnx.split(target)
 
-    @functools.partial(jax.jit, static_argnames="exact")
     def prefilled(params, prompt, tokens, positions, attend, ids, rows, exact):
         model = nnx.merge(graphdef, params)
         cache = model.prefill(prompt, model.init_cache(1, 64), jnp.full((1,), prompt.shape[1]), exact=exact).cache
@@ -56,9 +47,26 @@ def test_tree_logits_equal_the_prefill_of_each_path(family, layer_types):
 
     args = (params, *map(jnp.asarray, (prompt[None], tokens[None], len(prompt) + depth[None], attend, ids,
                                        (len(prompt) + depth)[:, None])))
-    tree, alone = prefilled(*args, exact=True)
-    np.testing.assert_array_equal(tree, alone)
-    tree, alone = prefilled(*args, exact=False)
+    if jit:
+        run = jax.jit(prefilled, static_argnames="exact")
+        return {exact: run(*args, exact=exact) for exact in (True, False)}
+    with jax.disable_jit():
+        return {exact: prefilled(*args, exact=exact) for exact in (True, False)}
+
+
+@pytest.mark.parametrize("family,layer_types", [
+    ("qwen3", None), ("qwen3_5", HYBRID_LAYERS),
+    # on a GPU (make test-gpu), each of the hybrid's layer kinds alone: which one a failure above comes from
+    pytest.param("qwen3_5", ("linear_attention",), marks=pytest.mark.gpu),
+    pytest.param("qwen3_5", ("full_attention",), marks=pytest.mark.gpu)])
+def test_tree_logits_equal_the_prefill_of_each_path(family, layer_types):
+    """A verified tree's logits at each node equal, bit for bit, the logits of a plain causal forward
+    over the prompt and that node's path; without exact mode they do not. The hybrid target (Gated DeltaNet
+    layers and gated attention): its prompt prefilled token by token, each node's recurrence along its own
+    path, and the forward over a whole path (a chain of one node per token) agree too."""
+    logits = tree_and_prefill_logits(family, layer_types)
+    np.testing.assert_array_equal(*logits[True])
+    tree, alone = logits[False]
     assert np.any(tree != alone)  # the default mode's rounding depends on the rows: the test can tell
 
 
