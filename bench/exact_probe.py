@@ -33,9 +33,10 @@ def main():
     for name in args.cases:
         for jit in (True, False):
             tree, alone = (np.asarray(x, np.float32) for x in tree_and_prefill_logits(*CASES[name], jit=jit)[True])
+            differ = np.any(tree != alone, axis=1)  # [nodes]
             rows.append(dict(case=name, jit=jit, differ=int(np.sum(tree != alone)), of=int(tree.size),
                              max_abs=float(np.abs(tree - alone).max()),
-                             first_node=int(np.argmax(np.any(tree != alone, axis=1))) if np.any(tree != alone) else -1,
+                             first_node=int(np.argmax(differ)) if differ.any() else -1,
                              device=jax.devices()[0].device_kind))
             print(json.dumps(rows[-1]), flush=True)
             if args.json:
