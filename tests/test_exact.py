@@ -2,6 +2,8 @@
 speculative method's output, greedy or sampled with a seed, is bitwise `ar`'s (the default mode
 rounds a tree's rows differently from a decode step's, and a near-tie can flip)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 from flax import nnx
 
 import weaver_jax
+from weaver_jax import _generate
 from weaver_jax.testing import random_bundle
 
 from .drafters import OracleDrafter
@@ -17,12 +20,16 @@ from .test_pallas_row_invariant import random_paths
 HYBRID_LAYERS = ("linear_attention", "full_attention")
 
 
-def tree_and_prefill_logits(family: str, layer_types: tuple[str, ...] | None, jit: bool = True) -> dict:
+def tree_and_prefill_logits(family: str, layer_types: tuple[str, ...] | None, jit: bool = True,
+                            exact_only: bool = False, recorder: list | None = None, **sizes) -> dict:
     """A random bfloat16 target's logits for a 12-node tree after a 21-token prompt, `[12, V]`, and each node's
     logits from a causal forward over the prompt and its path alone, `[12, V]`: {exact: (tree, alone)} for exact
-    mode on and off. jit False: op by op (`jax.disable_jit`: nothing fused; bench/exact_probe.py compares)."""
+    mode on and off (exact_only: on). jit False: op by op (`jax.disable_jit`: nothing fused). recorder: a list
+    that patched functions append `(name, array)` to; each value then holds the arrays of the prompt's prefill,
+    the tree and the alone forward after the logits (their names stay in the recorder), and "rows" says where
+    node i sits in the alone part (bench/exact_probe.py: which operation differs first)."""
     hybrid = {"layer_types": layer_types} if layer_types else {}
-    rb = random_bundle(1, dtype="bfloat16", family=family, tie_embeddings=True, drafter=False, **hybrid)
+    rb = random_bundle(1, dtype="bfloat16", family=family, tie_embeddings=True, drafter=False, **hybrid, **sizes)
     target, rng = rb.target, np.random.default_rng(0)
     vocab = rb.config.vocab_size
     prompt = rng.integers(0, vocab, 21)
@@ -40,18 +47,26 @@ def tree_and_prefill_logits(family: str, layer_types: tuple[str, ...] | None, ji
     def prefilled(params, prompt, tokens, positions, attend, ids, rows, exact):
         model = nnx.merge(graphdef, params)
         cache = model.prefill(prompt, model.init_cache(1, 64), jnp.full((1,), prompt.shape[1]), exact=exact).cache
+        marks = [len(recorder or ())]
         tree = model(tokens, positions, cache, attend, exact=exact).logits[0]
+        marks.append(len(recorder or ()))
         alone = model(ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape), model.init_cache(*ids.shape),
                       logits_rows=rows, exact=exact).logits[:, 0]
-        return tree, alone
+        if recorder is None:
+            return tree, alone
+        parts = recorder[: marks[0]], recorder[marks[0]: marks[1]], recorder[marks[1]:]
+        return tree, alone, *([value for _, value in part] for part in parts)
 
     args = (params, *map(jnp.asarray, (prompt[None], tokens[None], len(prompt) + depth[None], attend, ids,
                                        (len(prompt) + depth)[:, None])))
+    modes = (True,) if exact_only else (True, False)
     if jit:
-        run = jax.jit(prefilled, static_argnames="exact")
-        return {exact: run(*args, exact=exact) for exact in (True, False)}
+        def run(exact):  # compiled as generate compiles each mode
+            options = weaver_jax.EXACT_COMPILER_OPTIONS if exact else None
+            return jax.jit(functools.partial(prefilled, exact=exact), compiler_options=options)(*args)
+        return {"rows": len(prompt) + depth} | {exact: run(exact) for exact in modes}
     with jax.disable_jit():
-        return {exact: prefilled(*args, exact=exact) for exact in (True, False)}
+        return {"rows": len(prompt) + depth} | {exact: prefilled(*args, exact=exact) for exact in modes}
 
 
 @pytest.mark.parametrize("family,layer_types", [
@@ -99,3 +114,7 @@ def test_exact_mode_is_bitwise_autoregressive(method, options):
         assert spec.tokens == ar.tokens, sampling
         # paths past the root were verified and accepted (the oracle proposes greedy tokens: sampling takes fewer)
         assert spec.stats["mean_accepted_length"] > (1.0 if sampling else 1.2), spec.stats
+    # compiled with XLA's excess precision off (on a GPU a fused bfloat16 rounding could otherwise be skipped in
+    # one program and kept in another: bench/exact_probe.py)
+    exact_keys = [key for key in _generate._COMPILED if dict(key[1]).get("exact")]
+    assert exact_keys and all(("xla_allow_excess_precision", False) in key[3] for key in exact_keys)

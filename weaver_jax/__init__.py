@@ -10,7 +10,15 @@ tokens and text as rounds complete), the pure jitted `ar_generate` and
 from weaver_jax._adapter import Adapter, AdapterConfig
 from weaver_jax._config import ModelConfig, RopeScaling, qwen3_8b, smollm2_135m
 from weaver_jax._drafter import Drafter, DrafterConfig
-from weaver_jax._generate import AROutput, GenerateResult, ar_generate, generate, proposal_tree, sequence_keys
+from weaver_jax._generate import (
+    EXACT_COMPILER_OPTIONS,
+    AROutput,
+    GenerateResult,
+    ar_generate,
+    generate,
+    proposal_tree,
+    sequence_keys,
+)
 from weaver_jax._hybrid import HybridCache, HybridConfig, HybridTransformer
 from weaver_jax._load import Bundle, load
 from weaver_jax._model import ForwardOutput, KVCache, Transformer, target_from_params
@@ -22,7 +30,8 @@ from weaver_jax._tokenizer import Tokenizer
 from weaver_jax._tree import Tree
 
 __all__ = [
-    "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig", "ForwardOutput", "GenerateResult",
+    "EXACT_COMPILER_OPTIONS", "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig",
+    "ForwardOutput", "GenerateResult",
     "HybridCache", "HybridConfig", "HybridTransformer", "KVCache", "ModelConfig", "RopeScaling", "Sampling",
     "SpecOutput", "StreamChunk", "TokenStream", "Tokenizer", "Transformer", "Tree",
     "ar_generate", "generate", "load", "proposal_tree", "qwen3_8b", "sequence_keys", "shard", "smollm2_135m",

@@ -89,7 +89,8 @@ def ar_generate(
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
     slots; it is donated. kernels: the Pallas kernels to use (names). exact: the target's
     row-invariant forward (`Transformer.__call__`), whose tokens every speculative method reproduces
-    bitwise with `exact=True`. Inside a JAX program of your own (`generate` is the host wrapper around it):
+    bitwise with `exact=True` (on a GPU, with the program compiled under `EXACT_COMPILER_OPTIONS`, as
+    `generate` compiles it). Inside a JAX program of your own (`generate` is the host wrapper around it):
 
         graphdef, params = nnx.split(bundle.target)
         prompts = jnp.asarray([ids + [0] * (32 - len(ids))])             # [1, 32], right-padded
@@ -263,6 +264,13 @@ COMPILE_PHASES: collections.deque = collections.deque(maxlen=256)
 # A flag applies to a whole program, so a setting that helps a round's verification is given to that program
 # only; bench/round_profile.py --spec-compiler-options measures candidates.
 COMPILER_OPTIONS: dict[str, dict] = {"ar": {}, "spec": {}}
+# Exact mode's programs compile with XLA's excess precision off. By default XLA may skip rounding a value to
+# bfloat16 where a fused operation reads it straight back in float32 (a product's bfloat16 output read by a norm,
+# a GDN layer's conv), and whether it does depends on what it fused, which differs between a tree, a decode step
+# and a prefill: on the H100 a hybrid target's exact tree logits were off its prefill's in every element, found
+# at the gated attention's k norm and the GDN conv (bench/exact_probe.py); with this option, bitwise. A JAX
+# program of your own that runs exact forwards needs it too: `jax.jit(f, compiler_options=EXACT_COMPILER_OPTIONS)`.
+EXACT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 
 
 # Command buffers (CUDA graphs) for the streaming calls' loops too: XLA's default runs a while loop from the host,
@@ -278,8 +286,11 @@ ASYNC_LOOP = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CA
 
 def _compiled(fn, static: dict, *args):
     """AOT-compile `fn` once per static configuration, argument shapes and shardings (a bundle on a mesh
-    compiles its own program) and `COMPILER_OPTIONS`, so timing excludes it."""
+    compiles its own program) and `COMPILER_OPTIONS` (with `EXACT_COMPILER_OPTIONS` in exact mode), so timing
+    excludes it."""
     options = COMPILER_OPTIONS["ar" if fn in (ar_generate, ar_start, ar_advance) else "spec"]
+    if static.get("exact"):
+        options = EXACT_COMPILER_OPTIONS | options
     from weaver_jax._speculative import spec_advance
 
     if fn in (ar_advance, spec_advance) and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
