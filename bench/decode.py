@@ -148,7 +148,7 @@ def looped_step_seconds(target, batch: int, context: int, cache_size: int, exact
         return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), cache
 
     return _looped_seconds(body, (jnp.zeros((batch,), jnp.int32), cache), params, 16, repeats,
-                           wj.EXACT_COMPILER_OPTIONS if exact else None)
+                           _generate.EXACT_COMPILER_OPTIONS if exact else None)
 
 
 def kernels_per_step(target, batch: int, context: int, cache_size: int) -> int:

@@ -62,8 +62,7 @@ def tree_and_prefill_logits(family: str, layer_types: tuple[str, ...] | None, ji
     modes = (True,) if exact_only else (True, False)
     if jit:
         def run(exact):  # compiled as generate compiles each mode
-            options = weaver_jax.EXACT_COMPILER_OPTIONS if exact else None
-            return jax.jit(functools.partial(prefilled, exact=exact), compiler_options=options)(*args)
+            return (weaver_jax.exact_jit if exact else jax.jit)(functools.partial(prefilled, exact=exact))(*args)
         return {"rows": len(prompt) + depth} | {exact: run(exact) for exact in modes}
     with jax.disable_jit():
         return {"rows": len(prompt) + depth} | {exact: prefilled(*args, exact=exact) for exact in modes}
@@ -115,6 +114,12 @@ def test_exact_mode_is_bitwise_autoregressive(method, options):
         # paths past the root were verified and accepted (the oracle proposes greedy tokens: sampling takes fewer)
         assert spec.stats["mean_accepted_length"] > (1.0 if sampling else 1.2), spec.stats
     # compiled with XLA's excess precision off (on a GPU a fused bfloat16 rounding could otherwise be skipped in
-    # one program and kept in another: bench/exact_probe.py)
+    # one program and kept in another: bench/exact_probe.py), and so is a program of one's own by `exact_jit`
     exact_keys = [key for key in _generate._COMPILED if dict(key[1]).get("exact")]
     assert exact_keys and all(("xla_allow_excess_precision", False) in key[3] for key in exact_keys)
+    if method == "dflash":
+        graphdef, params = nnx.split(bundle.target)
+        run = weaver_jax.exact_jit(weaver_jax.ar_generate, static_argnames=("graphdef", "max_new_tokens", "exact"))
+        out = run(params, bundle.target.init_cache(1, 32), jnp.asarray([prompts[1]]), jnp.asarray([11]),
+                  weaver_jax.sequence_keys(0, 1), graphdef=graphdef, max_new_tokens=4, exact=True)
+        assert out.tokens[0, :4].tolist() == ar.tokens[1][:4]

@@ -11,10 +11,10 @@ from weaver_jax._adapter import Adapter, AdapterConfig
 from weaver_jax._config import ModelConfig, RopeScaling, qwen3_8b, smollm2_135m
 from weaver_jax._drafter import Drafter, DrafterConfig
 from weaver_jax._generate import (
-    EXACT_COMPILER_OPTIONS,
     AROutput,
     GenerateResult,
     ar_generate,
+    exact_jit,
     generate,
     proposal_tree,
     sequence_keys,
@@ -30,12 +30,12 @@ from weaver_jax._tokenizer import Tokenizer
 from weaver_jax._tree import Tree
 
 __all__ = [
-    "EXACT_COMPILER_OPTIONS", "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig",
+    "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig",
     "ForwardOutput", "GenerateResult",
     "HybridCache", "HybridConfig", "HybridTransformer", "KVCache", "ModelConfig", "RopeScaling", "Sampling",
     "SpecOutput", "StreamChunk", "TokenStream", "Tokenizer", "Transformer", "Tree",
-    "ar_generate", "generate", "load", "proposal_tree", "qwen3_8b", "sequence_keys", "shard", "smollm2_135m",
-    "spec_generate", "stream",
+    "ar_generate", "exact_jit", "generate", "load", "proposal_tree", "qwen3_8b", "sequence_keys", "shard",
+    "smollm2_135m", "spec_generate", "stream",
     "target_from_params",
 ]
 from weaver_jax import testing  # noqa: E402, F401  (weaver_jax.testing.random_bundle)

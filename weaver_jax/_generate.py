@@ -89,8 +89,8 @@ def ar_generate(
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
     slots; it is donated. kernels: the Pallas kernels to use (names). exact: the target's
     row-invariant forward (`Transformer.__call__`), whose tokens every speculative method reproduces
-    bitwise with `exact=True` (on a GPU, with the program compiled under `EXACT_COMPILER_OPTIONS`, as
-    `generate` compiles it). Inside a JAX program of your own (`generate` is the host wrapper around it):
+    bitwise with `exact=True` (on a GPU, in a program compiled as `generate` compiles it: `exact_jit`).
+    Inside a JAX program of your own (`generate` is the host wrapper around it):
 
         graphdef, params = nnx.split(bundle.target)
         prompts = jnp.asarray([ids + [0] * (32 - len(ids))])             # [1, 32], right-padded
@@ -269,8 +269,19 @@ COMPILER_OPTIONS: dict[str, dict] = {"ar": {}, "spec": {}}
 # a GDN layer's conv), and whether it does depends on what it fused, which differs between a tree, a decode step
 # and a prefill: on the H100 a hybrid target's exact tree logits were off its prefill's in every element, found
 # at the gated attention's k norm and the GDN conv (bench/exact_probe.py); with this option, bitwise. A JAX
-# program of your own that runs exact forwards needs it too: `jax.jit(f, compiler_options=EXACT_COMPILER_OPTIONS)`.
+# program of your own that runs exact forwards needs it too (`exact_jit`).
 EXACT_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def exact_jit(fn, **jit_options):
+    """`jax.jit(fn, **jit_options)` compiled as exact mode needs (`EXACT_COMPILER_OPTIONS`: XLA's excess precision
+    off, so every bfloat16 rounding the model asks for happens whatever XLA fuses), for a program of your own that
+    calls `ar_generate`, `spec_generate` or a target's forward with `exact=True` (`generate` does this itself):
+
+        run = weaver_jax.exact_jit(weaver_jax.ar_generate, static_argnames=("graphdef", "max_new_tokens", "exact"))
+        out = run(params, cache, prompts, lengths, keys, graphdef=graphdef, max_new_tokens=64, exact=True)"""
+    options = jit_options.pop("compiler_options", None) or {}
+    return jax.jit(fn, compiler_options={**EXACT_COMPILER_OPTIONS, **options}, **jit_options)
 
 
 # Command buffers (CUDA graphs) for the streaming calls' loops too: XLA's default runs a while loop from the host,
