@@ -16,7 +16,10 @@ each row's reduction order by what the row itself is, never by how many rows com
     committed length and, from there on, from the slot of the new token at that position on the
     token's own path (`path [B, T, T]`, `weaver_jax._model.position_path`), so a decode step, a
     prefill and a tree verification read the same keys in the same order (and as many blocks: those
-    up to its own position).
+    up to its own position). With `Tiling.attention_split` the positions are cut at fixed absolute
+    multiples of it, a program per piece, and the pieces' softmax states merged in index order (pieces
+    past a token's position are empty and skipped): flash-decoding whose splits depend on the position
+    alone, so a long context fills the GPU and a token's value still does not depend on the others.
 
 The references are the plain XLA product and masked softmax: equal up to rounding, not bitwise.
 """
@@ -42,16 +45,17 @@ BLOCK_P = 64  # positions per attention step
 
 class Tiling(NamedTuple):
     """The product's launch: output columns and K per block, Triton's pipeline stages and warps, and the programs
-    per 16 rows that K is cut into pieces to reach (about two per SM of an H200). A function of the weight's
-    shape at most, never of the rows: any tiling keeps rows invariant (a row's reduction order is the
-    tiling's). Three pipeline stages: an exact decode step 1.05x the default step at the Qwen3.6-27B shape,
-    against 1.15x with two; 1.83x against 1.90x at SmolLM2's (H100, BENCHMARKS)."""
+    per 16 rows that K is cut into pieces to reach (about two per SM of an H200); the attention's pieces of
+    positions. A function of the weight's shape at most, never of the rows: any tiling keeps rows invariant
+    (a row's reduction order is the tiling's). Three pipeline stages: an exact decode step 1.05x the default
+    step at the Qwen3.6-27B shape, against 1.15x with two; 1.83x against 1.90x at SmolLM2's (H100, BENCHMARKS)."""
 
     block_n: int = 64
     block_k: int = 64
     stages: int = 3
     warps: int = 4
     programs: int = 256
+    attention_split: int = 0  # positions per attention piece, a multiple of BLOCK_P (0: one walk per token)
 
 
 TILING = Tiling()
@@ -153,8 +157,10 @@ def attention_reference(q, k_cache, v_cache, positions, lengths, path):
     return gqa_attention(q.reshape(b, t, kv, h // kv, d), k_cache, v_cache, mask).reshape(b, t, h, d)
 
 
-def _attention_kernel(len_ref, pos_ref, path_ref, q_ref, k_ref, v_ref, o_ref, *, group: int, scale: float):
-    """One (sequence, token, query head): q_ref `[D]`, k_ref / v_ref `[S, H_kv, D]`, path_ref `[T]`."""
+def _attention_kernel(len_ref, pos_ref, path_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, group: int,
+                      scale: float, piece_blocks: int):
+    """One (sequence, token, query head, piece of positions): q_ref `[D]`, k_ref / v_ref `[S, H_kv, D]`, path_ref
+    `[T]` -> the piece's unnormalised output o_ref `[D]`, its running max m_ref and sum l_ref (0: an empty piece)."""
     length, position = len_ref[...], pos_ref[...]
     d, new = q_ref.shape[0], path_ref.shape[0]
     head = pl.program_id(2) // group
@@ -179,31 +185,66 @@ def _attention_kernel(len_ref, pos_ref, path_ref, q_ref, k_ref, v_ref, o_ref, *,
         return o * correction + jnp.sum(p[:, None] * values, axis=0), m_new, total * correction + jnp.sum(p)
 
     init = jnp.zeros((d,), jnp.float32), jnp.float32(MASKED_SCORE), jnp.float32(0)
-    o, _, total = jax.lax.fori_loop(0, position // BLOCK_P + 1, step, init)
-    o_ref[...] = o / total
+    first = pl.program_id(3) * piece_blocks
+    last = jnp.minimum(position // BLOCK_P + 1, first + piece_blocks)
+    o, m, total = jax.lax.fori_loop(first, jnp.maximum(last, first), step, init)
+    o_ref[...], m_ref[...], l_ref[...] = o, m, total
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "poison"))
-def attention(q, k_cache, v_cache, positions, lengths, path, *, interpret: bool = False, poison: bool = False):
+def merge_pieces(o, m, total):
+    """The pieces' softmax states `[P, ...]` (o with a trailing D) merged in index order -> `[..., D]`. An empty
+    piece (total 0) is skipped, not merged: a token's value is the same bits whatever number of empty pieces the
+    cache's size gives it; one piece is `o / total`, the single walk's division."""
+    out_o, out_m, out_l = o[0], m[0], total[0]
+    for p in range(1, o.shape[0]):
+        m_new = jnp.maximum(out_m, m[p])
+        keep = jnp.where(m_new == out_m, 1.0, jnp.exp(out_m - m_new))  # exactly 1 where the max stays
+        take = jnp.exp(m[p] - m_new)
+        merged = (out_o * keep[..., None] + o[p] * take[..., None], m_new, out_l * keep + total[p] * take)
+        empty = total[p] == 0
+        out_o = jnp.where(empty[..., None], out_o, merged[0])
+        out_m, out_l = jnp.where(empty, out_m, merged[1]), jnp.where(empty, out_l, merged[2])
+    return out_o / out_l[..., None]
+
+
+def attention(q, k_cache, v_cache, positions, lengths, path, *, split: int | None = None, interpret: bool = False,
+              poison: bool = False):
     """Attention of new tokens q `[B, T, H, D]` (after RoPE; their K/V already written at slots
     `[lengths, lengths + T)` of k_cache / v_cache `[B, S, H_kv, D]`) over the committed prefix and
     the new tokens on their path: positions `[B, T]`, lengths `[B]`, path `[B, T, T]`
-    (`weaver_jax._model.position_path`); D a power of two. -> `[B, T, H, D]` float32, each token's
+    (`weaver_jax._model.position_path`); D a power of two; split: positions per piece (default:
+    `TILING.attention_split` as it is at the call; 0: one walk). -> `[B, T, H, D]` float32, each token's
     value independent of the others."""
+    return _attention(q, k_cache, v_cache, positions, lengths, path,
+                      split=TILING.attention_split if split is None else split, interpret=interpret, poison=poison)
+
+
+@functools.partial(jax.jit, static_argnames=("split", "interpret", "poison"))
+def _attention(q, k_cache, v_cache, positions, lengths, path, *, split: int, interpret: bool, poison: bool):
     b, t, h, d = q.shape
+    s = k_cache.shape[1]
     kv = k_cache.shape[2]
+    if split % BLOCK_P or split < 0:
+        raise ValueError(f"attention_split must be a multiple of {BLOCK_P} (0: one walk), got {split}")
     if h % kv:
         raise ValueError(f"{h} query heads do not group over {kv} K/V heads")
     if d & (d - 1):
         raise ValueError(f"head dim {d} must be a power of two")
     if path.shape != (b, t, t):
         raise ValueError(f"path must be [B, T, T] = {(b, t, t)}, got {path.shape}")
-    one = pl.BlockSpec((None, None, None, d), lambda i, j, k: (i, j, k, 0))
-    cache = pl.BlockSpec((None, k_cache.shape[1], kv, d), lambda i, j, k: (i, 0, 0, 0))
-    in_specs = [pl.BlockSpec((None,), lambda i, j, k: (i,)), pl.BlockSpec((None, None), lambda i, j, k: (i, j)),
-                pl.BlockSpec((None, None, t), lambda i, j, k: (i, j, 0)), one, cache, cache]
-    return pallas_call(
-        functools.partial(_attention_kernel, group=h // kv, scale=1 / math.sqrt(d)),
+    piece_blocks = split // BLOCK_P if split else pl.cdiv(s, BLOCK_P)
+    pieces = pl.cdiv(pl.cdiv(s, BLOCK_P), piece_blocks)
+    one = pl.BlockSpec((None, None, None, d), lambda i, j, k, p: (i, j, k, 0))
+    cache = pl.BlockSpec((None, s, kv, d), lambda i, j, k, p: (i, 0, 0, 0))
+    in_specs = [pl.BlockSpec((None,), lambda i, j, k, p: (i,)), pl.BlockSpec((None, None), lambda i, j, k, p: (i, j)),
+                pl.BlockSpec((None, None, t), lambda i, j, k, p: (i, j, 0)), one, cache, cache]
+    state = pl.BlockSpec((None, None, None, None), lambda i, j, k, p: (p, i, j, k))
+    o, m, total = pallas_call(
+        functools.partial(_attention_kernel, group=h // kv, scale=1 / math.sqrt(d), piece_blocks=piece_blocks),
         [lengths.astype(jnp.int32), positions.astype(jnp.int32), path.astype(jnp.int32), q, k_cache, v_cache],
-        grid=(b, t, h), in_specs=in_specs, out_specs=one, out_shape=jax.ShapeDtypeStruct((b, t, h, d), jnp.float32),
+        grid=(b, t, h, pieces), in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, None, None, d), lambda i, j, k, p: (p, i, j, k, 0)), state, state],
+        out_shape=[jax.ShapeDtypeStruct((pieces, b, t, h, d), jnp.float32),
+                   *(jax.ShapeDtypeStruct((pieces, b, t, h), jnp.float32) for _ in range(2))],
         name="row_invariant_attention", num_warps=4, num_stages=1, interpret=interpret, poison=poison)
+    return merge_pieces(o, m, total)
