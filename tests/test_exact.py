@@ -102,12 +102,18 @@ def test_exact_mode_on_a_hybrid_target_is_bitwise_autoregressive():
 
 
 @pytest.mark.parametrize("method,options", [("dflash", {}), ("ddtree", {"budget": 8}), ("weaver", {"budget": 8})])
-def test_exact_mode_is_bitwise_autoregressive(method, options):
-    """bfloat16, ragged batch: greedy output, and for Weaver seeded sampled output, token for token `ar`'s."""
+def test_exact_mode_is_bitwise_autoregressive(method, options, monkeypatch):
+    """bfloat16, ragged batch: greedy output, and for Weaver seeded sampled output, token for token `ar`'s (the
+    chain with the attention split in pieces of 64 positions, a prompt crossing one)."""
     rb = random_bundle(3, dtype="bfloat16", block_size=4, num_layers=1)
     bundle = weaver_jax.Bundle(rb.target, drafter=OracleDrafter(rb.config, block_size=4, corrupt=True),
                                adapter=rb.adapter)
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3]]
+    if method == "dflash":
+        from weaver_jax.pallas_kernels import row_invariant
+
+        monkeypatch.setattr(row_invariant, "TILING", row_invariant.TILING._replace(attention_split=64))
+        prompts[2] = [3] * 60
     samplings = [{}, dict(temperature=0.8, top_k=20, seed=[2, 7, 1])] if method == "weaver" else [{}]
     for sampling in samplings:
         ar = weaver_jax.generate(bundle, prompts, max_new_tokens=16, eos_token_id=[], exact=True, **sampling)
