@@ -30,8 +30,7 @@ from weaver_jax._tokenizer import Tokenizer
 from weaver_jax._tree import Tree
 
 __all__ = [
-    "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig",
-    "ForwardOutput", "GenerateResult",
+    "AROutput", "Adapter", "AdapterConfig", "Bundle", "Drafter", "DrafterConfig", "ForwardOutput", "GenerateResult",
     "HybridCache", "HybridConfig", "HybridTransformer", "KVCache", "ModelConfig", "RopeScaling", "Sampling",
     "SpecOutput", "StreamChunk", "TokenStream", "Tokenizer", "Transformer", "Tree",
     "ar_generate", "exact_jit", "generate", "load", "proposal_tree", "qwen3_8b", "sequence_keys", "shard",
