@@ -187,7 +187,7 @@ def _attention_kernel(len_ref, pos_ref, path_ref, q_ref, k_ref, v_ref, o_ref, m_
     init = jnp.zeros((d,), jnp.float32), jnp.float32(MASKED_SCORE), jnp.float32(0)
     first = pl.program_id(3) * piece_blocks
     last = jnp.minimum(position // BLOCK_P + 1, first + piece_blocks)
-    o, m, total = jax.lax.fori_loop(first, jnp.maximum(last, first), step, init)
+    o, m, total = jax.lax.fori_loop(first, last, step, init)  # last <= first: an empty piece, no step
     o_ref[...], m_ref[...], l_ref[...] = o, m, total
 
 
