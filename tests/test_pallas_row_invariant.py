@@ -66,6 +66,7 @@ def random_paths(rng, nodes: int):
     (1, 1, 3, 3, 32, (5,), jnp.float32, 0),  # one node
     (1, 24, 8, 2, 16, (100,), jnp.bfloat16, 0),
     (2, 13, 4, 2, 16, (0, 70), jnp.bfloat16, 64),  # pieces of 64 positions: 1-2 per token, the rest empty
+    (2, 13, 4, 2, 16, (0, 70), jnp.bfloat16, 128),  # one piece (no merge), alone two (the merge kernel's path)
 ])
 def test_attention_matches_reference_and_is_row_invariant(b, n, h, kv, d, prefix, dtype, split):
     """Each token's value equals the reference's up to rounding and, bit for bit, its value decoded alone after
@@ -95,6 +96,26 @@ def test_attention_matches_reference_and_is_row_invariant(b, n, h, kv, d, prefix
             np.testing.assert_array_equal(alone[0, 0], out[r, i], err_msg=f"seed {seed}, sequence {r}, node {i}")
 
 
+def test_merge_equals_one_softmax_over_the_pieces_and_skips_empty_ones():
+    """The pieces' states merged equal the attention over all of them at once (float64), and empty pieces (sum 0)
+    leave a token's bits as they were."""
+    seed, rng = fresh_rng()
+    pieces, tokens, d = 6, 5, 16
+    scores, values = rng.standard_normal((pieces, tokens, 8)), rng.standard_normal((pieces, tokens, 8, d))
+    seen = rng.random((pieces, tokens, 8)) < 0.7
+    seen[0], seen[2], seen[4, :2] = True, False, False  # piece 0 holds the token's own key; some pieces empty
+    m = np.where(seen.any(-1), np.where(seen, scores, -np.inf).max(-1), -1e30)
+    p = np.exp(np.where(seen, scores - m[..., None], -np.inf))
+    o, total = (p[..., None] * values).sum(2), p.sum(-1)
+    merged = jax.jit(row_invariant.merge_pieces)(*(jnp.asarray(a, jnp.float32) for a in (o, m, total)))
+    every = np.where(seen, np.exp(scores - scores.max()), 0)
+    want = np.einsum("ptk,ptkd->td", every, values) / every.sum((0, 2))[:, None]
+    np.testing.assert_allclose(merged, want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed}")
+    fewer = [0, 1, 3, 4, 5]  # the same without piece 2, empty everywhere
+    alone = jax.jit(row_invariant.merge_pieces)(*(jnp.asarray(a[fewer], jnp.float32) for a in (o, m, total)))
+    np.testing.assert_array_equal(merged, alone, err_msg=f"seed {seed}")
+
+
 MATMUL_SHAPES = [(1, 576, 960, False), (25, 1536, 576, False), (1, 576, 49152, True), (65, 4096, 12288, False),
                  (3, 5120, 48, False), (2, 96, 80, True)]  # the 27B's GDN gates (N masked); N and K masked
 
@@ -106,8 +127,9 @@ def test_matmul_lowers_for_cuda(m, k, n, transpose_w):
                    jax.ShapeDtypeStruct((n, k) if transpose_w else (k, n), jnp.bfloat16))
 
 
+# the last: 63 pieces of 128 positions (the merge unrolled in XLA)
 @pytest.mark.parametrize("b,t,h,kv,d,s,split", [(1, 1, 9, 3, 64, 2048, 0), (1, 1, 9, 3, 64, 2048, 256),
-                                                 (8, 25, 9, 3, 64, 512, 0), (1, 65, 32, 8, 128, 1536, 0)])
+                                                 (8, 25, 9, 3, 64, 512, 0), (1, 65, 32, 8, 128, 8000, 128)])
 def test_attention_lowers_for_cuda(b, t, h, kv, d, s, split):
     lower_for_cuda(jax.jit(functools.partial(attention, split=split)), jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16),
                    *(jax.ShapeDtypeStruct((b, s, kv, d), jnp.bfloat16) for _ in range(2)),
