@@ -2,18 +2,23 @@
 
     python bench/decode.py --shape qwen3-8b --batch 1 --context 1024 --cache 2048 --json out.json
     python bench/decode.py --shape smollm2-135m --batch 1 8 32       # tokens/s at several batch sizes
+    python bench/decode.py --shape llama3.3-70b --mesh 1x4           # tensor parallel over 4 GPUs (issue 38)
 
 Floor (the smaller of two, both per iteration of a loop, as decode runs): one matvec `x @ W` per
 weight matrix of the model, and one fused sum over each weight matrix (pure streaming). Every
 weight byte is read once, as a decode step must. Decode step: the per-token time of
 `ar_generate`'s while loop, as the difference between generating `n + 1` and `1` tokens after
 the same prefill, divided by `n` (the prefill cancels). Random weights: speed does not depend on
-their values (no EOS is used, every sequence runs to max_new_tokens).
+their values (no EOS is used, every sequence runs to max_new_tokens). With `--mesh DxM` the target is
+drawn straight into its shards (`weaver_jax.shard`'s layout: no device ever holds it whole) and the floor is
+one device's: its own shards streamed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import re
 import statistics
@@ -28,13 +33,17 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import weaver_jax as wj  # noqa: E402
-from weaver_jax import _generate  # noqa: E402
+from weaver_jax import _generate, _sharding, cli  # noqa: E402
 from weaver_jax._hybrid import qwen3_6_27b, qwen_layer_types  # noqa: E402
 from weaver_jax.pallas_kernels import row_invariant  # noqa: E402
 
 SHAPES = {"qwen3-8b": wj.qwen3_8b, "smollm2-135m": wj.smollm2_135m,
           # hybrid Gated DeltaNet targets: the real shape, and a narrow one of the same schedule (a CPU check)
           "qwen3.6-27b": qwen3_6_27b,
+          "llama3.3-70b": lambda dtype: wj.ModelConfig(
+              vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+              num_kv_heads=8, head_dim=128, rope_theta=500_000.0, rms_norm_eps=1e-5, tie_embeddings=False,
+              max_seq_len=131072, dtype=dtype, family="llama", rope_scaling=wj.RopeScaling(8.0, 1.0, 4.0, 8192)),
           "hybrid-tiny": lambda dtype: qwen3_6_27b(dtype, vocab_size=1024, hidden_size=256, intermediate_size=512,
                                                    num_heads=4, head_dim=64, layer_types=qwen_layer_types(4))}
 
@@ -50,21 +59,52 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
-def random_target(config: wj.ModelConfig | wj.HybridConfig) -> wj.Transformer | wj.HybridTransformer:
+def random_target(config: wj.ModelConfig | wj.HybridConfig, mesh=None) -> wj.Transformer | wj.HybridTransformer:
     kind = wj.HybridTransformer if isinstance(config, wj.HybridConfig) else wj.Transformer
-    return random_module(lambda: kind(config, rngs=nnx.Rngs(0)))
+    return random_module(lambda: kind(config, rngs=nnx.Rngs(0)), mesh)
 
 
-def random_module(make):
-    """Random weights made on the device, tensor by tensor (no host copy of 16 GB)."""
+def random_module(make, mesh=None):
+    """Random weights made on the device, tensor by tensor (no host copy of 16 GB); on `mesh` (axes ("data",
+    "model")) each drawn straight into its shards as `weaver_jax.shard` lays them out."""
     abstract = nnx.eval_shape(make)
+    if mesh is not None:
+        mesh = _sharding.auto_mesh(mesh)
+        _sharding.group_fused(abstract, mesh.shape["model"])
     graphdef, state = nnx.split(abstract)
-    leaves, treedef = jax.tree.flatten(state)
-    init = jax.jit(lambda k, shape, dtype: (jax.random.normal(k, shape, jnp.float32)
-                                            / np.sqrt(shape[0] if len(shape) == 2 else 1)).astype(dtype),
-                   static_argnums=(1, 2))
-    made = [init(jax.random.key(i), leaf.shape, leaf.dtype) for i, leaf in enumerate(leaves)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, made))
+    shapes = nnx.to_pure_dict(state)
+    shardings = (_sharding.parameter_shardings(shapes, mesh) if mesh is not None
+                 else jax.tree.map(lambda _: None, shapes))
+    leaves, treedef = jax.tree.flatten(shapes)
+
+    made = [_draw(leaf.shape, leaf.dtype, sharding)(jax.random.key(i)) for i, (leaf, sharding)
+            in enumerate(zip(leaves, treedef.flatten_up_to(shardings), strict=True))]
+    nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, made))
+    return nnx.merge(graphdef, state)
+
+
+@functools.cache
+def _draw(shape: tuple[int, ...], dtype, sharding):
+    """key -> a random tensor of this shape, dtype and sharding (compiled once per distinct one)."""
+    return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32)
+                                / np.sqrt(shape[0] if len(shape) == 2 else 1)).astype(dtype), out_shardings=sharding)
+
+
+def mesh_of(module):
+    """The mesh `module`'s parameters lie on (`random_module(..., mesh)`), or None."""
+    sharding = jax.tree.leaves(nnx.state(module))[0].sharding
+    return sharding.mesh if isinstance(sharding, jax.sharding.NamedSharding) else None
+
+
+def placed(target, x):
+    """A cache or a per-sequence input `[B, ...]` on the target's mesh (as generate places them), or as it is."""
+    return _generate._on_mesh(mesh_of(target), x)
+
+
+def traced_on(target):
+    """Where the target's programs trace: under its mesh (the Pallas kernels run per device there)."""
+    mesh = mesh_of(target)
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def weight_matrices(target) -> list[jax.Array]:
@@ -87,8 +127,9 @@ def _looped_seconds(body, init, weights, n: int, repeats: int, compiler_options:
 def floor_seconds(target, batch: int, repeats: int) -> dict:
     """Two floors over the same weights, each inside a loop as decode is:
     `matvec`: one `x @ W` per weight matrix (the issue's definition; the LM head as in the model);
-    `read`: one fused sum over each weight matrix (pure streaming, no matrix unit)."""
-    mats = weight_matrices(target)
+    `read`: one fused sum over each weight matrix (pure streaming, no matrix unit). On a mesh: the first device's
+    shards (what each device streams per step)."""
+    mats = [w.addressable_shards[0].data for w in weight_matrices(target)]  # one device's part (all of it unsharded)
     tied = target.lm_head is None
     d = target.config.hidden_size
 
@@ -118,14 +159,16 @@ def decode_seconds(target, batch: int, context: int, cache_size: int, new_tokens
     """Per-token decode time inside ar_generate's loop, prefill cancelled out (exact: `exact=True`'s)."""
     config = target.config
     graphdef, params = nnx.split(target)
-    prompts = jax.random.randint(jax.random.key(1), (batch, context), 0, config.vocab_size, jnp.int32)
-    lengths = jnp.full((batch,), context, jnp.int32)
-    keys = wj.sequence_keys(0, batch)
+    prompts = placed(target, jax.random.randint(jax.random.key(1), (batch, context), 0, config.vocab_size, jnp.int32))
+    lengths = placed(target, jnp.full((batch,), context, jnp.int32))
+    keys = placed(target, wj.sequence_keys(0, batch))
 
     def run(n):  # compiled as generate compiles it (exact mode's compiler options)
-        args = (params, target.init_cache(batch, cache_size), prompts, lengths, keys)
-        return _generate._compiled(wj.ar_generate, dict(graphdef=graphdef, max_new_tokens=n, exact=exact),
-                                   *args)(*args).tokens
+        args = (params, placed(target, target.init_cache(batch, cache_size)), prompts, lengths, keys)
+        with traced_on(target):
+            program = _generate._compiled(wj.ar_generate, dict(graphdef=graphdef, max_new_tokens=n, exact=exact),
+                                          *args)
+        return program(*args).tokens
 
     short = statistics.median(timed(lambda: run(1), repeats))
     long = statistics.median(timed(lambda: run(new_tokens + 1), repeats))
@@ -137,7 +180,7 @@ def looped_step_seconds(target, batch: int, context: int, cache_size: int, exact
     at `context` (its contents do not change the time), no prefill: exact mode's step against the default one
     at a shape whose exact prefill (token by token through every GDN layer) is slow to time."""
     graphdef, params = nnx.split(target)
-    cache = target.init_cache(batch, cache_size).with_lengths(jnp.full((batch,), context))
+    cache = placed(target, target.init_cache(batch, cache_size).with_lengths(jnp.full((batch,), context)))
 
     def body(carry, params):
         tokens, cache = carry
@@ -147,17 +190,18 @@ def looped_step_seconds(target, batch: int, context: int, cache_size: int, exact
         cache = model.commit(out.cache, out.pending, jnp.zeros((batch, 1), jnp.int32), ones)
         return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), cache
 
-    return _looped_seconds(body, (jnp.zeros((batch,), jnp.int32), cache), params, 16, repeats,
-                           _generate.EXACT_COMPILER_OPTIONS if exact else None)
+    with traced_on(target):
+        return _looped_seconds(body, (placed(target, jnp.zeros((batch,), jnp.int32)), cache), params, 16, repeats,
+                               _generate.EXACT_COMPILER_OPTIONS if exact else None)
 
 
 def kernels_per_step(target, batch: int, context: int, cache_size: int) -> int:
     """Kernels launched per decode step: fusions and custom calls in the compiled while-loop body."""
     graphdef, params = nnx.split(target)
-    cache = target.init_cache(batch, cache_size)
-    prompts = jnp.zeros((batch, context), jnp.int32)
-    text = wj.ar_generate.lower(params, cache, prompts, jnp.full((batch,), context, jnp.int32),
-                                wj.sequence_keys(0, batch), graphdef=graphdef, max_new_tokens=2).compile().as_text()
+    args = [placed(target, x) for x in (target.init_cache(batch, cache_size), jnp.zeros((batch, context), jnp.int32),
+                                        jnp.full((batch,), context, jnp.int32), wj.sequence_keys(0, batch))]
+    with traced_on(target):
+        text = wj.ar_generate.lower(params, *args, graphdef=graphdef, max_new_tokens=2).compile().as_text()
     body = re.search(r" while\(.*?body=%([\w.\-]+)", text).group(1)
     computation = re.search(rf"^%{re.escape(body)} .*?^}}", text, re.M | re.S).group(0)
     return len(re.findall(r"= [^=]*\b(?:fusion|custom-call)\(", computation))
@@ -173,10 +217,11 @@ def step_seconds(target, batch: int, context: int, cache_size: int, repeats: int
         return jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32), out.cache
 
     step = jax.jit(step, donate_argnums=1)
-    cache = target.init_cache(batch, cache_size).with_lengths(jnp.full((batch,), context))
-    tokens = jnp.zeros((batch,), jnp.int32)
-    for _ in range(3):
-        tokens, cache = step(params, cache, tokens)
+    cache = placed(target, target.init_cache(batch, cache_size).with_lengths(jnp.full((batch,), context)))
+    tokens = placed(target, jnp.zeros((batch,), jnp.int32))
+    with traced_on(target):
+        for _ in range(3):
+            tokens, cache = step(params, cache, tokens)
     jax.block_until_ready(tokens)
     times = []
     for _ in range(repeats):
@@ -203,15 +248,22 @@ def main():
     parser.add_argument("--tilings", type=json.loads, nargs="+", default=[{}],
                         help="with --steps-only: exact mode's product launches to time, each JSON of "
                              "row_invariant.Tiling's fields over its default")
+    parser.add_argument("--mesh", help="DxM: the target over a (data, model) mesh of D x M devices "
+                        "(issue 38; the batch must divide over data)")
     parser.add_argument("--label", default="")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     config = SHAPES[args.shape](dtype)
+    mesh = cli._mesh(args.mesh)
+    if mesh is not None and any(b % mesh.shape["data"] for b in args.batch):
+        parser.error(f"--batch {args.batch}: every batch size must divide over the mesh's data axis of "
+                     f"{mesh.shape['data']}")
     t0 = time.perf_counter()
-    target = random_target(config)
-    print(f"# {args.shape} {dtype} on {jax.devices()[0].device_kind}; init {time.perf_counter() - t0:.1f}s", flush=True)
+    target = random_target(config, mesh)
+    print(f"# {args.shape} {dtype} on {jax.devices()[0].device_kind}{f', mesh {args.mesh}' if mesh else ''}; "
+          f"init {time.perf_counter() - t0:.1f}s", flush=True)
     rows = []
     for b in args.batch:
         if args.steps_only:
@@ -221,7 +273,8 @@ def main():
                 exact = looped_step_seconds(target, b, args.context, args.cache, True, args.repeats)
                 rows.append(dict(shape=args.shape, dtype=dtype, batch=b, context=args.context,
                                  step_ms=default * 1e3, exact_step_ms=exact * 1e3, exact_over_default=exact / default,
-                                 tiling=tiling._asdict(), label=args.label, device=jax.devices()[0].device_kind,
+                                 tiling=tiling._asdict(), mesh=args.mesh, label=args.label,
+                                 device=jax.devices()[0].device_kind,
                                  jax=jax.__version__))
                 print(json.dumps(rows[-1]), flush=True)
                 if args.json:
@@ -237,7 +290,7 @@ def main():
                    floor_read_ms=floors["floor_read"] * 1e3, floor_ms=floor * 1e3, floor_tb_s=nbytes / floor / 1e12,
                    decode_ms=decode * 1e3, decode_over_floor=decode / floor, step_call_ms=step * 1e3,
                    tokens_per_s=b / decode, kernels_per_step=kernels, prefill_plus_one_ms=prefill * 1e3,
-                   label=args.label,
+                   mesh=args.mesh, label=args.label,
                    device=jax.devices()[0].device_kind, jax=jax.__version__)
         rows.append(row)
         print(json.dumps(row), flush=True)  # before the exact step's timing, which can take minutes at 27B

@@ -14,7 +14,8 @@ first, concurrently; then each is timed in turn: tokens/s = new tokens / seconds
 equal those of `ar` with the same `exact` setting and seeds (`same_as_ar`; at T > 0 too: sampling is
 seed-identical). A configuration is `method` or `method:option=value,...` (generate's method options,
 and `exact=1` for exact mode), optionally ending in `@all` / `@xla` (every Pallas kernel / none,
-instead of the library's default selection). `vs_ar` is always against plain `ar`.
+instead of the library's default selection). `vs_ar` is always against plain `ar`. `--mesh DxM`: the bundle
+`weaver_jax.shard`ed over D x M devices (issue 38: `--mesh 2x1 --batch 16` against one device at `--batch 8`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tau import bundle_arguments, encode_sets, load_bundle, parse_options  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
+from weaver_jax import cli  # noqa: E402
 from weaver_jax.pallas_kernels import KERNELS, kernel_scope  # noqa: E402
 
 
@@ -75,7 +77,8 @@ def run(bundle, prompts, config: str, batch: int, temperature: float, args) -> t
     row = dict(config=config, batch=batch, temperature=temperature, tokens_per_second=tokens / seconds,
                dtype=str(bundle.config.dtype),
                tau=accepted / verifications if verifications else 1.0, new_tokens=tokens, seconds=seconds,
-               prompts=len(prompts), max_new_tokens=args.max_new_tokens, device=jax.devices()[0].device_kind,
+               prompts=len(prompts), max_new_tokens=args.max_new_tokens, mesh=args.mesh,
+               device=jax.devices()[0].device_kind,
                **({"settings": settings} if settings else {}))
     return row, texts
 
@@ -91,10 +94,13 @@ def main():
     parser.add_argument("--mixed", action="store_true", help="batches mix the sets (issue 41's mixed batch) "
                         "instead of taking them in order")
     parser.add_argument("--workers", type=int, default=8, help="configurations compiled at once")
+    parser.add_argument("--mesh", help="DATAxMODEL: the bundle over that many devices, e.g. 2x1")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     t0 = time.time()
     bundle = load_bundle(args)
+    if args.mesh:
+        bundle = wj.shard(bundle, cli._mesh(args.mesh))
     names, prompts = encode_sets(bundle, args.eval_prompts, args.per_set)
     if args.mixed:  # round robin over the sets: every batch of B >= 3 holds chat, code and writing prompts
         rank = [int((names[:i] == name).sum()) for i, name in enumerate(names)]

@@ -13,11 +13,12 @@ configuration the wall time per round: wall minus the busy sum is the time the G
 with one new token (the prefill alone), per round - a round's cost against `ar`'s step without the
 prefill's share of a short call. `--wall-only` skips the profiled call (walls only, faster);
 `--temperature` times sampled rounds. Rows are written to `--json` as they come.
-`--random-target` replaces the GGUF target by random weights of that shape (speed does not depend on
-weight values with EOS off) beside the shipped SmolLM2 drafter and adapter (with a larger shape: a random
-drafter and adapter of bench/verify.py's shapes, 5 layers and rank 1024; `--drafter-layers N`: a random
-drafter of N layers instead, to price a deeper one; `--adapter-shape '{"d_rank": 384, "num_heads": 6}'`:
-a random adapter with these fields of its config changed, to price a wider one).
+`--mesh DxM` runs every configuration on a (data, model) mesh of D x M devices (issue 38; a random target is
+drawn straight into its shards). `--random-target` replaces the GGUF target by random weights of that shape
+(speed does not depend on weight values with EOS off) beside the shipped SmolLM2 drafter and adapter (with a
+larger shape: a random drafter and adapter of bench/verify.py's shapes, 5 layers and rank 1024;
+`--drafter-layers N`: a random drafter of N layers instead, to price a deeper one; `--adapter-shape '{"d_rank":
+384, "num_heads": 6}'`: a random adapter with these fields of its config changed, to price a wider one).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from kernel_times import gpu_events  # noqa: E402
 from verify import random_pair  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
-from weaver_jax import _generate, _load  # noqa: E402
+from weaver_jax import _generate, _load, _sharding, cli  # noqa: E402
 from weaver_jax._adapter import Adapter  # noqa: E402
 from weaver_jax._drafter import Drafter  # noqa: E402
 from weaver_jax.pallas_kernels import kernel_scope  # noqa: E402
@@ -99,13 +100,17 @@ def op_stages(hlo: str) -> dict[str, str]:
 
 
 def bundle_for(args) -> wj.Bundle:
+    """The bundle `args` name; with `args.mesh` ("DxM") on that mesh: a random target drawn straight into its
+    shards (a 70B target is never whole on one device), the drafter split over `model`, the adapter replicated."""
+    mesh = cli._mesh(getattr(args, "mesh", None))
     if not args.random_target:
-        return wj.load(args.model, dtype=args.dtype, drafter=args.drafter, adapter=args.adapter)
+        bundle = wj.load(args.model, dtype=args.dtype, drafter=args.drafter, adapter=args.adapter)
+        return bundle if mesh is None else wj.shard(bundle, mesh)
     config = bench.SHAPES[args.random_target](args.dtype or "bfloat16")
-    target = bench.random_target(config)
+    target = bench.random_target(config, mesh)
     if args.random_target != "smollm2-135m":  # the shipped pair does not fit: bench/verify.py's random shapes
-        drafter, adapter = random_pair(config, drafter_layers=args.drafter_layers or 5)
-        return wj.Bundle(target, drafter=drafter, adapter=adapter)
+        drafter, adapter = random_pair(config, drafter_layers=args.drafter_layers or 5, mesh=mesh)
+        return wj.Bundle(target, drafter=drafter, adapter=adapter, mesh=mesh and _sharding.auto_mesh(mesh))
     shipped = _load.SHIPPED_WEIGHTS / "smollm2-135m-instruct"
     part = lambda kind: _load._load_part(Path(getattr(args, kind) or shipped / kind), kind, config.dtype, config)  # noqa: E731
     drafter = part("drafter")
@@ -114,7 +119,11 @@ def bundle_for(args) -> wj.Bundle:
     adapter = part("adapter")
     if args.adapter_shape:  # a random adapter of another shape, to price it before training one
         adapter = Adapter(dataclasses.replace(adapter.config, **args.adapter_shape), rngs=nnx.Rngs(0))
-    return wj.Bundle(target, drafter=drafter, adapter=adapter)
+    if mesh is None:
+        return wj.Bundle(target, drafter=drafter, adapter=adapter)
+    return wj.Bundle(target, drafter=_sharding.shard_module(drafter, mesh, label="drafter"),
+                     adapter=_sharding.shard_module(adapter, mesh, replicate=True, label="adapter"),
+                     mesh=_sharding.auto_mesh(mesh))
 
 
 def main():
@@ -139,6 +148,7 @@ def main():
     parser.add_argument("--spec-compiler-options", type=json.loads, nargs="+", default=[{}],
                         help='XLA option sets for the speculative programs, each in turn (_generate.COMPILER_OPTIONS), '
                              'e.g. \'{}\' \'{"xla_gpu_enable_triton_gemm": false}\'')
+    parser.add_argument("--mesh", help="DATAxMODEL: the bundle over that many devices (issue 38), e.g. 1x2")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--hlo-dir", type=Path, help="write each configuration's optimized HLO there")
     args = parser.parse_args()
@@ -155,7 +165,8 @@ def main():
 
     def timed(fresh):  # fresh() -> (fn, static, args): compiled, warmed up, then one timed call
         fn, static, call_args = fresh()
-        compiled = _generate._compiled(fn, static, *call_args)
+        with _generate._mesh_scope(bundle):
+            compiled = _generate._compiled(fn, static, *call_args)
         jax.block_until_ready(compiled(*call_args))
         call_args = fresh()[2]
         t0 = time.perf_counter()
@@ -178,7 +189,7 @@ def main():
                    prompt_length=args.prompt_length, rounds=rounds, wall_us_per_round=wall / rounds * 1e6,
                    net_us_per_round=(wall - prefill) / rounds * 1e6,
                    tokens_per_round=(float(jnp.mean(out.num_tokens)) - 1) / rounds,  # the prefill's token aside
-                   kernel_options=args.kernel_options, device=jax.devices()[0].device_kind,
+                   kernel_options=args.kernel_options, mesh=args.mesh, device=jax.devices()[0].device_kind,
                    target="random " + args.random_target if args.random_target else args.model)
         if not args.wall_only:
             row.update(profile(compiled, fresh, rounds, args.hlo_dir and args.hlo_dir / re.sub(r"\W", "_", config)))

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode as bench  # noqa: E402
 
 import weaver_jax as wj  # noqa: E402
-from weaver_jax import _model  # noqa: E402
+from weaver_jax import _model, _sharding  # noqa: E402
 from weaver_jax._adapter import Adapter, AdapterConfig, weaver_tree  # noqa: E402
 from weaver_jax._drafter import Drafter, DrafterConfig  # noqa: E402
 from weaver_jax._speculative import DEFAULT_POOL, accept_and_move, build_tree, node_choices  # noqa: E402
@@ -47,15 +47,17 @@ TINY = wj.ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num
 
 def random_pair(config, *, drafter_layers: int = 5, drafter_features: int | None = None, block: int = 16,
                 adapter_rank: int = 1024, adapter_layers: int = 2, adapter_heads: int | None = None,
-                adapter_mlp: int | None = None) -> tuple[Drafter, Adapter]:
-    """A random DFlash drafter of the target's width and a random Weaver adapter (the shapes this bench prices)."""
+                adapter_mlp: int | None = None, mesh=None) -> tuple[Drafter, Adapter]:
+    """A random DFlash drafter of the target's width and a random Weaver adapter (the shapes this bench prices);
+    on `mesh` the drafter drawn into its shards over `model`, the adapter whole on every device."""
     dconfig = DrafterConfig.like(config, num_layers=drafter_layers, num_features=drafter_features or drafter_layers,
                                  block_size=block, mask_token_id=config.vocab_size - 1, dtype=config.dtype)
     aconfig = AdapterConfig.like(config, d_rank=adapter_rank, num_layers=adapter_layers,
                                  num_heads=adapter_heads or max(1, adapter_rank // 128),
                                  mlp_dim=adapter_mlp or 4 * adapter_rank, K=block - 1, dtype=config.dtype)
-    return (bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1))),
-            bench.random_module(lambda: Adapter(aconfig, rngs=nnx.Rngs(2))))
+    adapter = bench.random_module(lambda: Adapter(aconfig, rngs=nnx.Rngs(2)))
+    return (bench.random_module(lambda: Drafter(dconfig, rngs=nnx.Rngs(1)), mesh),
+            adapter if mesh is None else _sharding.shard_module(adapter, mesh, replicate=True, label="adapter"))
 
 
 def random_tree(batch: int, n: int, depth: int, vocab: int, seed: int = 0) -> Tree:

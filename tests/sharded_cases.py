@@ -13,6 +13,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import weaver_jax  # noqa: E402
 from weaver_jax import _generate, cli  # noqa: E402
@@ -202,6 +203,13 @@ def layout_and_errors():
     loaded = weaver_jax.load(Path(__file__).parent / "fixtures" / "hf" / "qwen2", dtype="float32", mesh=mesh(1, 2))
     check(loaded.mesh.shape["model"] == 2 and loaded.target.layers[0].attn.groups == 2, "load(..., mesh=) shards")
     check(cli._mesh("2x4").shape == {"data": 2, "model": 4}, "--mesh 2x4")
+    # a target drawn straight into its shards (the benchmarks' random 70B over 4 GPUs) takes shard()'s layout
+    import bench.decode
+
+    drawn = bench.decode.random_target(BUNDLE.config, mesh(2, 2))
+    layout = lambda m: {k: (v.shape, v.sharding.spec) for k, v in nnx.to_flat_state(nnx.state(m))}  # noqa: E731
+    check(layout(drawn) == layout(sharded.target) and drawn.layers[0].mlp.groups == 2,
+          "a random target drawn into its shards has shard()'s layout")
     resharded = weaver_jax.shard(sharded, mesh(1, 4), replicate=("drafter", "adapter"))
     check(tokens(resharded, "ar") == tokens(BUNDLE, "ar"), "a sharded bundle resharded to (1, 4)")
     for call, message in [

@@ -92,13 +92,10 @@ def _fused_modules(module: nnx.Module):
     return [(path, m) for path, m in nnx.iter_graph(module) if isinstance(m, Attention | MLP | GatedDeltaNet)]
 
 
-def shard_module(module: nnx.Module, mesh: Mesh, replicate: bool = False, label: str = "") -> nnx.Module:
-    """A copy of `module` on `mesh`: its fused projections grouped per `model` device and every parameter placed
-    by `PARAMETER_AXES` (replicate: every parameter whole on every device, fused columns as they are). label: what
-    errors call the module ("drafter")."""
-    mesh = auto_mesh(mesh)
-    module = nnx.clone(module)
-    groups = 1 if replicate else mesh.shape["model"]
+def group_fused(module: nnx.Module, groups: int, label: str = "") -> None:
+    """Group `module`'s fused projections for `groups` devices on `model`, in place: their columns reordered into
+    per-device groups (when they hold values: an abstract module, `nnx.eval_shape`'s, only takes the count) and
+    each module told. label: what errors call the module ("drafter")."""
     for path, sub in _fused_modules(module):
         for name, (segments, axis) in sub.fused().items():
             param = getattr(sub, name)
@@ -110,18 +107,35 @@ def shard_module(module: nnx.Module, mesh: Mesh, replicate: bool = False, label:
                 where = f"{label} {'.'.join(map(str, (*path, name)))}".strip()
                 raise ValueError(f"{where}: {units[0]} {units[1]} do not divide over the mesh's 'model' axis of "
                                  f"{groups} devices")
+            if isinstance(param.get_value(), jax.ShapeDtypeStruct):
+                continue
             if sub.groups > 1:  # already grouped for another mesh
                 param[...] = ungroup_columns(param[...], segments, sub.groups, axis)
             param[...] = group_columns(param[...], segments, groups, axis)
         sub.groups = groups
-    graphdef, state = nnx.split(module)
 
-    def place(path, leaf):
+
+def parameter_shardings(state, mesh: Mesh, replicate: bool = False, label: str = ""):
+    """`nnx.to_pure_dict(state)` of a module's parameters -> the same tree of their `NamedSharding`s on `mesh`
+    (by `PARAMETER_AXES`; replicate: every one whole on every device)."""
+    def spec(path, leaf):
         name = ".".join(str(k.key) for k in path)
-        spec = PartitionSpec() if replicate else parameter_spec(name, tuple(leaf.shape), mesh, label)
-        return jax.device_put(leaf, NamedSharding(mesh, spec))
+        return NamedSharding(mesh, PartitionSpec() if replicate else parameter_spec(name, tuple(leaf.shape), mesh,
+                                                                                    label))
 
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state)))
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def shard_module(module: nnx.Module, mesh: Mesh, replicate: bool = False, label: str = "") -> nnx.Module:
+    """A copy of `module` on `mesh`: its fused projections grouped per `model` device and every parameter placed
+    by `PARAMETER_AXES` (replicate: every parameter whole on every device, fused columns as they are). label: what
+    errors call the module ("drafter")."""
+    mesh = auto_mesh(mesh)
+    module = nnx.clone(module)
+    group_fused(module, 1 if replicate else mesh.shape["model"], label)
+    graphdef, state = nnx.split(module)
+    values = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(state, jax.device_put(values, parameter_shardings(values, mesh, replicate, label)))
     return nnx.merge(graphdef, state)
 
 
