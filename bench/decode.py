@@ -243,8 +243,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--exact", action="store_true", help="also time exact mode's decode step (issue 42: "
                         "against the default step of the same run)")
-    parser.add_argument("--steps-only", action="store_true", help="with --exact: only the looped decode step, "
-                        "default and exact, from a cache at --context (no floor, no prefill)")
+    parser.add_argument("--steps-only", action="store_true", help="only the looped decode step from a cache at "
+                        "--context against the floor (no prefill: fewer compiles, for the largest shapes), and "
+                        "with --exact exact mode's step per --tilings")
     parser.add_argument("--tilings", type=json.loads, nargs="+", default=[{}],
                         help="with --steps-only: exact mode's product launches to time, each JSON of "
                              "row_invariant.Tiling's fields over its default")
@@ -268,7 +269,14 @@ def main():
     for b in args.batch:
         if args.steps_only:
             default = looped_step_seconds(target, b, args.context, args.cache, False, args.repeats)
-            for options in args.tilings:
+            floors = floor_seconds(target, b, args.repeats)
+            floor = min(floors["floor_matvec"], floors["floor_read"])
+            rows.append(dict(shape=args.shape, dtype=dtype, batch=b, context=args.context, step_ms=default * 1e3,
+                             floor_ms=floor * 1e3, step_over_floor=default / floor,
+                             weight_bytes=floors["weight_bytes"], mesh=args.mesh, label=args.label,
+                             device=jax.devices()[0].device_kind, jax=jax.__version__))
+            print(json.dumps(rows[-1]), flush=True)
+            for options in args.tilings if args.exact else []:
                 row_invariant.TILING = tiling = row_invariant.Tiling()._replace(**options)
                 exact = looped_step_seconds(target, b, args.context, args.cache, True, args.repeats)
                 rows.append(dict(shape=args.shape, dtype=dtype, batch=b, context=args.context,
