@@ -76,7 +76,6 @@ def random_module(make, mesh=None):
     shardings = (_sharding.parameter_shardings(shapes, mesh) if mesh is not None
                  else jax.tree.map(lambda _: None, shapes))
     leaves, treedef = jax.tree.flatten(shapes)
-
     made = [_draw(leaf.shape, leaf.dtype, sharding)(jax.random.key(i)) for i, (leaf, sharding)
             in enumerate(zip(leaves, treedef.flatten_up_to(shardings), strict=True))]
     nnx.replace_by_pure_dict(state, jax.tree.unflatten(treedef, made))

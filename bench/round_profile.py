@@ -100,17 +100,18 @@ def op_stages(hlo: str) -> dict[str, str]:
 
 
 def bundle_for(args) -> wj.Bundle:
-    """The bundle `args` name; with `args.mesh` ("DxM") on that mesh: a random target drawn straight into its
-    shards (a 70B target is never whole on one device), the drafter split over `model`, the adapter replicated."""
+    """The bundle `args` name; with `args.mesh` ("DxM") on that mesh as `weaver_jax.shard` places it (a random
+    target larger than SmolLM2's drawn straight into its shards: a 70B target is never whole on one device)."""
     mesh = cli._mesh(getattr(args, "mesh", None))
     if not args.random_target:
         bundle = wj.load(args.model, dtype=args.dtype, drafter=args.drafter, adapter=args.adapter)
         return bundle if mesh is None else wj.shard(bundle, mesh)
     config = bench.SHAPES[args.random_target](args.dtype or "bfloat16")
-    target = bench.random_target(config, mesh)
     if args.random_target != "smollm2-135m":  # the shipped pair does not fit: bench/verify.py's random shapes
         drafter, adapter = random_pair(config, drafter_layers=args.drafter_layers or 5, mesh=mesh)
-        return wj.Bundle(target, drafter=drafter, adapter=adapter, mesh=mesh and _sharding.auto_mesh(mesh))
+        return wj.Bundle(bench.random_target(config, mesh), drafter=drafter, adapter=adapter,
+                         mesh=mesh and _sharding.auto_mesh(mesh))
+    target = bench.random_target(config)
     shipped = _load.SHIPPED_WEIGHTS / "smollm2-135m-instruct"
     part = lambda kind: _load._load_part(Path(getattr(args, kind) or shipped / kind), kind, config.dtype, config)  # noqa: E731
     drafter = part("drafter")
@@ -119,11 +120,8 @@ def bundle_for(args) -> wj.Bundle:
     adapter = part("adapter")
     if args.adapter_shape:  # a random adapter of another shape, to price it before training one
         adapter = Adapter(dataclasses.replace(adapter.config, **args.adapter_shape), rngs=nnx.Rngs(0))
-    if mesh is None:
-        return wj.Bundle(target, drafter=drafter, adapter=adapter)
-    return wj.Bundle(target, drafter=_sharding.shard_module(drafter, mesh, label="drafter"),
-                     adapter=_sharding.shard_module(adapter, mesh, replicate=True, label="adapter"),
-                     mesh=_sharding.auto_mesh(mesh))
+    bundle = wj.Bundle(target, drafter=drafter, adapter=adapter)
+    return bundle if mesh is None else wj.shard(bundle, mesh)
 
 
 def main():

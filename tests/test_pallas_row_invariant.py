@@ -66,7 +66,7 @@ def random_paths(rng, nodes: int):
     (1, 1, 3, 3, 32, (5,), jnp.float32, 0),  # one node
     (1, 24, 8, 2, 16, (100,), jnp.bfloat16, 0),
     (2, 13, 4, 2, 16, (0, 70), jnp.bfloat16, 64),  # pieces of 64 positions: 1-2 per token, the rest empty
-    (2, 13, 4, 2, 16, (0, 70), jnp.bfloat16, 128),  # one piece (no merge), alone two (the merge kernel's path)
+    (2, 13, 4, 2, 16, (0, 70), jnp.bfloat16, 128),  # one piece (no merge), alone two (the merge's path)
 ])
 def test_attention_matches_reference_and_is_row_invariant(b, n, h, kv, d, prefix, dtype, split):
     """Each token's value equals the reference's up to rounding and, bit for bit, its value decoded alone after

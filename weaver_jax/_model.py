@@ -502,12 +502,11 @@ def run_blocks(layers, x, positions, inv_freq, cache: KVCache, attend, hidden_la
     # while tune's compile at once, was ~2.8 s for `ar`'s round at SmolLM2's 30 layers, now ~0.9 s on a CPU); XLA
     # inlines the calls, so the program it compiles is the same. Made per call, its cache never outlives what was
     # read when it traced (the kernel selection, exact mode's tiling). Called eagerly, layers run as they are.
-    def apply(layer, *args):
-        return layer(*args)
-
     if isinstance(x, jax.core.Tracer):
         jitted = jax.jit(lambda graphdef, state, *args: nnx.merge(graphdef, state)(*args), static_argnums=0)
         apply = lambda layer, *args: jitted(*nnx.split(layer), *args)  # noqa: E731
+    else:
+        apply = lambda layer, *args: layer(*args)  # noqa: E731
     hidden, ks, vs = {}, [], []
     for i, layer in enumerate(layers):
         x, k, v = apply(layer, x, positions, inv_freq, cache.k[i], cache.v[i], cache.lengths, mask)
