@@ -8,12 +8,15 @@ Nodes come in tree order (a node's ancestors before it), so the system below is 
   (I + A) u = rhs; out = exp(prefix) q S0 + (ratio * q k^T) u.
 A round's latency is a chain of small dependent products, so the work is split by what depends on what:
 - `_system_kernel`, one program per (sequence, value head, block of 16 nodes), all blocks at once: the
-  block's prefix, its rows of A and of ratio * q k^T, and the inverse of its 16 x 16 diagonal block of
-  I + A by doubling (three steps of two products; the 15-step iteration this replaced was half the
-  layer's time).
-- `_solve_kernel`, one program per (sequence, value head, `block_v` value columns): block by block,
-  u_r = X_r (rhs_r - A_r,<r u_<r), one product with every earlier block's u (they are read back from the
-  output behind a barrier: other threads wrote them); then every block's output, independent of the others.
+  block's prefix, its rows of A and of ratio * q k^T over all nodes (one product each), and the inverse of
+  its 16 x 16 diagonal block of I + A by doubling (three steps of two products; the 15-step iteration this
+  replaced was half the layer's time).
+- `_solve_kernel`, one program per (sequence, value head, `block_v` value columns): every right-hand side
+  and the outputs' state term first (one product each), then block by block u_r = X_r (rhs_r - A_r,<r u_<r),
+  one product with every earlier block's u (they are read back from the output behind a barrier: other
+  threads wrote them); then every block's output, independent of the others.
+Inputs and outputs keep the model's `[B, T, H, ...]` layout (a block picks its head by the stride), so no
+transposes run around the kernels.
 The solve's columns are independent, so value columns split across programs (more programs at batch 1,
 a smaller state tile each). Outputs: out `[B, T, H_v, d_v]` float32, and u `[B, H_v, T, d_v]`, prefix
 `[B, H_v, T]` for `fold`.
@@ -61,33 +64,31 @@ def _system_kernel(q_ref, k_ref, g_ref, beta_ref, own_ref, prefix_ref, a_ref, p_
     """One (sequence, value head, block r of 16 nodes): what the solve needs that no value column changes.
     q_ref, k_ref `[w, d_k]`, g_ref, beta_ref `[w]`, own_ref `[w, w]` int8 (ancestors-or-self); writes
     prefix_ref `[16]` (block r's), a_ref, p_ref `[16, w]` (block r's rows of A and of the outputs'
-    ratio * q k^T, in blocks c <= r only) and x_ref `[16, 16]` = (I + A_rr)^-1."""
+    ratio * q k^T; zero past the block, where no ancestor is) and x_ref `[16, 16]` = (I + A_rr)^-1.
+    Every row over all w columns at once: one product each, no loop over earlier blocks."""
     r = pl.program_id(2)
+    w = own_ref.shape[0]
     dot = functools.partial(plgpu.dot, precision=precision)
-    rows = lambda c: pl.ds(pl.multiple_of(c * BLOCK, BLOCK), BLOCK)  # noqa: E731
+    rows = pl.ds(pl.multiple_of(r * BLOCK, BLOCK), BLOCK)
     i = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-
-    def prefix(c):  # [16]: block c's sums of g along each node's path
-        return jnp.sum(jnp.where(own_ref[rows(c), :] != 0, g_ref[...][None, :], 0.0), axis=1)
-
-    q_r, k_r, prefix_r = q_ref[rows(r), :].astype(jnp.float32), k_ref[rows(r), :].astype(jnp.float32), prefix(r)
-    beta_r = beta_ref[rows(r)][:, None]
+    g = g_ref[...][None, :]
+    prefix = jnp.sum(jnp.where(own_ref[...] != 0, g, 0.0), axis=1)  # [w]: each node's sum of g along its path
+    own_r = own_ref[rows, :] != 0
+    prefix_r = jnp.sum(jnp.where(own_r, g, 0.0), axis=1)  # [16]: block r's rows of the same sums
+    q_r, k_r = q_ref[rows, :].astype(jnp.float32), k_ref[rows, :].astype(jnp.float32)
+    beta_r = beta_ref[rows][:, None]
     prefix_ref[...] = prefix_r
 
-    def block(c, strict):  # block c's A (strict ancestors) and ratio * q k^T (ancestors-or-self), [16, 16]
-        own = own_ref[rows(r), rows(c)] != 0
-        ratio = jnp.where(own, jnp.exp(jnp.minimum(prefix_r[:, None] - prefix(c)[None, :], 0.0)), 0.0)
-        k_c = k_ref[rows(c), :].astype(jnp.float32)
-        a = jnp.where(strict, beta_r * ratio * dot(k_r, k_c, trans_b=True), 0.0)
-        a_ref[:, rows(c)], p_ref[:, rows(c)] = a, ratio * dot(q_r, k_c, trans_b=True)
-        return a
+    def couplings(own, prefix_c, k_c, strict):  # A (strict ancestors) and ratio * q k^T (ancestors-or-self)
+        ratio = jnp.where(own, jnp.exp(jnp.minimum(prefix_r[:, None] - prefix_c[None, :], 0.0)), 0.0)
+        return jnp.where(strict, beta_r * ratio * dot(k_r, k_c, trans_b=True), 0.0), ratio * dot(q_r, k_c, trans_b=True)
 
-    @pl.loop(0, r)
-    def _(c):
-        block(c, True)
-
-    within = block(r, i > j)
+    node = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, w), 0) + r * BLOCK
+    column = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, w), 1)
+    a_ref[...], p_ref[...] = couplings(own_r, prefix, k_ref[...].astype(jnp.float32), column != node)
+    # the diagonal block again, as a [16, 16] tile for its inverse (a register tile cannot be sliced)
+    within, _ = couplings(own_ref[rows, rows] != 0, prefix_r, k_r, i > j)
     # (I + within)^-1 by doubling inverted diagonal blocks: with x the inverse of the diagonal blocks of size
     # s and l the entries below them in blocks of 2s, x - x l x inverts the blocks of 2s (exactly:
     # [[a, 0], [c, b]]^-1 = [[a^-1, 0], [-b^-1 c a^-1, b^-1]]); the blocks of 1 are ones.
@@ -110,24 +111,30 @@ def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, s_ref, prefix_ref, a_ref, p_ref
     column = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, w), 1)
     node = jax.lax.broadcasted_iota(jnp.int32, (w, 1), 0)
     s = s_ref[...]
+    decay = jnp.exp(prefix_ref[...])[:, None]
 
-    def solve(r, _):  # u_r = X_r (rhs_r - A_r,<r u_<r): one product with every earlier block's u
-        k_r, beta_r = k_ref[rows(r), :].astype(jnp.float32), beta_ref[rows(r)][:, None]
-        earlier = jnp.where(node < r * BLOCK, u_ref[...], 0.0)  # rows not yet written may hold anything
-        rhs = beta_r * (v_ref[rows(r), :].astype(jnp.float32) - jnp.exp(prefix_ref[rows(r)])[:, None] * dot(k_r, s))
-        rhs = rhs - dot(jnp.where(column < r * BLOCK, a_ref[rows(r), :], 0.0), earlier)
-        u_ref[rows(r), :] = dot(x_ref[rows(r), :], rhs)
+    def sync():  # what one thread wrote, another reads next
         if barrier:
             plgpu.debug_barrier()
+
+    # every row's right-hand side and the outputs' state term at once (neither depends on u); the rows of
+    # u not yet solved hold their right-hand side, which the loop reads a block at a time
+    u_ref[...] = beta_ref[...][:, None] * (v_ref[...].astype(jnp.float32) - decay * dot(k_ref[...].astype(jnp.float32), s))
+    out_ref[...] = decay * dot(q_ref[...].astype(jnp.float32), s)
+    sync()
+
+    def solve(r, _):  # u_r = X_r (rhs_r - A_r,<r u_<r): one product with every earlier block's u
+        earlier = jnp.where(node < r * BLOCK, u_ref[...], 0.0)
+        rhs = u_ref[rows(r), :] - dot(jnp.where(column < r * BLOCK, a_ref[rows(r), :], 0.0), earlier)
+        u_ref[rows(r), :] = dot(x_ref[rows(r), :], rhs)  # each element after its own column's reads
+        sync()
         return 0
 
     jax.lax.fori_loop(0, blocks, solve, 0)
     u = jnp.where(node < blocks * BLOCK, u_ref[...], 0.0)
 
-    def output(r, _):  # exp(prefix) q S0 + (ratio * q k^T) u over the node's path
-        decay = jnp.exp(prefix_ref[rows(r)])[:, None]
-        out_ref[rows(r), :] = decay * dot(q_ref[rows(r), :].astype(jnp.float32), s) + dot(
-            jnp.where(column < (r + 1) * BLOCK, p_ref[rows(r), :], 0.0), u)
+    def output(r, _):  # + (ratio * q k^T) u over the node's path
+        out_ref[rows(r), :] += dot(jnp.where(column < (r + 1) * BLOCK, p_ref[rows(r), :], 0.0), u)
         return 0
 
     jax.lax.fori_loop(0, blocks, output, 0)
@@ -154,15 +161,16 @@ def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 64, precision
     w = pow2_at_least(blocks * BLOCK)  # the width of the products over every node (a power of two)
     pad = w - t
 
-    def nodes(x):  # node axis 1 -> padded, heads first: [B, H, w, ...]
-        return jnp.moveaxis(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), 2, 1)
+    def nodes(x):  # node axis 1 padded to w; heads stay where they are (the blocks pick one by its stride)
+        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
     own = jnp.pad(ancestors, [(0, 0), (0, pad), (0, pad)]) | (jnp.eye(w, dtype=bool) & (jnp.arange(w) >= t))
     q, k, v, beta = nodes(q), nodes(k), nodes(v), nodes(beta.astype(jnp.float32))
     precision = PRECISIONS["ieee" if interpret else precision]
     repeat = h_v // h_k
-    key_head = pl.BlockSpec((None, None, w, d_k), lambda i, j, c: (i, j // repeat, 0, 0))
-    head = pl.BlockSpec((None, None, w), lambda i, j, c: (i, j, 0))
+    key_head = pl.BlockSpec((None, w, None, d_k), lambda i, j, c: (i, 0, j // repeat, 0))
+    head = pl.BlockSpec((None, w, None), lambda i, j, c: (i, 0, j))
+    head_out = pl.BlockSpec((None, None, w), lambda i, j, c: (i, j, 0))
     square = pl.BlockSpec((None, None, w, w), lambda i, j, c: (i, j, 0, 0))
     node_rows = lambda *shape: pl.BlockSpec((None, None, BLOCK, *shape), lambda i, j, r: (i, j, r, 0))  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct((b, h_v, *shape), jnp.float32)  # noqa: E731
@@ -174,13 +182,15 @@ def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 64, precision
                    node_rows(BLOCK)],
         out_shape=[f32(w), f32(w, w), f32(w, w), f32(w, BLOCK)],
         name="tree_gdn_system", num_warps=4, num_stages=1, interpret=interpret, poison=poison)
+    value_columns = pl.BlockSpec((None, w, None, block_v), lambda i, j, c: (i, 0, j, c))
     columns = pl.BlockSpec((None, None, w, block_v), lambda i, j, c: (i, j, 0, c))
     state_columns = pl.BlockSpec((None, None, d_k, block_v), lambda i, j, c: (i, j, 0, c))
     out, u = pallas_call(
         functools.partial(_solve_kernel, blocks=blocks, precision=precision, barrier=not interpret),
         [q, k, v, beta, state.astype(jnp.float32), prefix, a, p, x], grid=(b, h_v, d_v // block_v),
-        in_specs=[key_head, key_head, columns, head, state_columns,
-                  head, square, square, pl.BlockSpec((None, None, w, BLOCK), lambda i, j, c: (i, j, 0, 0))],
-        out_specs=[columns, columns], out_shape=[f32(w, d_v), f32(w, d_v)],
+        in_specs=[key_head, key_head, value_columns, head, state_columns,
+                  head_out, square, square, pl.BlockSpec((None, None, w, BLOCK), lambda i, j, c: (i, j, 0, 0))],
+        out_specs=[value_columns, columns],
+        out_shape=[jax.ShapeDtypeStruct((b, w, h_v, d_v), jnp.float32), f32(w, d_v)],
         name="tree_gdn_solve", num_warps=4 if w <= 128 else 8, num_stages=1, interpret=interpret, poison=poison)
-    return jnp.moveaxis(out[:, :, :t], 1, 2), u[:, :, :t], prefix[:, :, :t]
+    return out[:, :t], u[:, :, :t], prefix[:, :, :t]
