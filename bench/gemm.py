@@ -13,6 +13,12 @@ and with `--small-m` the `small_m` Pallas kernel (bench/small_m.py, a candidate)
 (bench/decode.py).
 
     python bench/gemm.py --shape qwen3.6-27b --rows 1 16 --tilings '{}' '{"block_k": 128}' '{"stages": 4}'
+
+`--mgpu CONFIG ...` also times JAX's own Hopper product on Pallas' Mosaic GPU backend (TMA loads, wgmma,
+warp-specialised pipeline: `jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, a candidate for verification's
+64 rows), each JSON CONFIG the fields of its `TuningConfig` (rows must divide by its tile_m):
+
+    python bench/gemm.py --rows 64 128 --mgpu '{"tile_m": 64, "tile_n": 64, "tile_k": 64, "max_concurrent_steps": 6}'
 """
 
 from __future__ import annotations
@@ -45,6 +51,17 @@ def layer_weights(config) -> dict[str, tuple[int, int]]:
             "lm_head": (d, config.vocab_size)}
 
 
+def mgpu_product(options: dict):
+    """x @ w through `hopper_matmul_mgpu.matmul` at a TuningConfig made of `options` (its wg_dimension and
+    grid_minor_dim by name: "M" or "N")."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as mgpu
+
+    fields = {k: mgpu.MatmulDimension[v] if k in ("wg_dimension", "grid_minor_dim", "cluster_dimension") and v
+              else v for k, v in options.items()}
+    config = mgpu.TuningConfig(**fields)
+    return lambda x, w: mgpu.matmul(x, w, None, config)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(bench.SHAPES), default="qwen3-8b")
@@ -57,6 +74,8 @@ def main():
     parser.add_argument("--split-k", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--num-stages", type=int, default=4)
+    parser.add_argument("--mgpu", type=json.loads, nargs="*", default=[],
+                        help="JAX's Hopper Mosaic GPU product at these TuningConfig fields (JSON each)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -82,12 +101,22 @@ def main():
                 variants[f"small_m/{bn}/{sk}"] = functools.partial(
                     small_m, block_n=bn, split_k=sk, block_k=args.block_k, num_stages=args.num_stages,
                     interpret=interpret())
+            for options in args.mgpu:
+                if m % options["tile_m"] == 0:
+                    variants["mgpu/" + "/".join(f"{v}" for v in options.values())] = mgpu_product(options)
             row = dict(weight=name, k=k, n=n, rows=m, read_us=read * 1e6, bytes=k * n * 2)
             for label, product in variants.items():
                 def body(x, w, product=product):
                     y = product(x, w)
                     return x + (1e-6 * y[:, :1]).astype(x.dtype)
-                seconds = bench._looped_seconds(body, x, w, 32, args.repeats)
+                try:
+                    seconds = bench._looped_seconds(body, x, w, 32, args.repeats)
+                except Exception as e:  # a candidate's config that does not fit (shared memory, tiles)
+                    row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    continue
+                if label != "xla":
+                    err = jnp.abs(product(x, w).astype(jnp.float32) - (x @ w).astype(jnp.float32)).max()
+                    row[f"{label}_max_abs_diff"] = float(err)
                 row[f"{label}_us"] = seconds * 1e6
                 row[f"{label}_over_read"] = seconds / read
             print(json.dumps(row), flush=True)
