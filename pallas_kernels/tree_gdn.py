@@ -8,12 +8,12 @@ Nodes come in tree order (a node's ancestors before it), so the system below is 
   (I + A) u = rhs; out = exp(prefix) q S0 + (ratio * q k^T) u.
 A round's latency is a chain of small dependent products, so the work is split by what depends on what:
 - `_system_kernel`, one program per (sequence, value head, block of 16 nodes), all blocks at once: the
-  block's prefix, its rows of A and of ratio * q k^T over all nodes (one product each), and the inverse of
-  its 16 x 16 diagonal block of I + A by doubling (three steps of two products; the 15-step iteration this
-  replaced was half the layer's time).
-- `_solve_kernel`, one program per (sequence, value head, `block_v` value columns): every right-hand side
-  and the outputs' state term first (one product each), then block by block u_r = X_r (rhs_r - A_r,<r u_<r),
-  one product with every earlier block's u (they are read back from the output behind a barrier: other
+  block's prefix, its rows of A and of ratio * q k^T, and the inverse of its 16 x 16 diagonal block of
+  I + A by doubling (three steps of two products; the 15-step iteration this replaced was half the
+  layer's time). (Its rows over all nodes in one product each spilled: a w x w tile a thread.)
+- `_solve_kernel`, one program per (sequence, value head, `block_v` value columns): every block's
+  right-hand side first (independent blocks), then block by block u_r = X_r (rhs_r - A_r,<r u_<r), one
+  product with every earlier block's u (they are read back from the output behind a barrier: other
   threads wrote them); then every block's output, independent of the others.
 Inputs and outputs keep the model's `[B, T, H, ...]` layout (a block picks its head by the stride), so no
 transposes run around the kernels.
@@ -64,31 +64,33 @@ def _system_kernel(q_ref, k_ref, g_ref, beta_ref, own_ref, prefix_ref, a_ref, p_
     """One (sequence, value head, block r of 16 nodes): what the solve needs that no value column changes.
     q_ref, k_ref `[w, d_k]`, g_ref, beta_ref `[w]`, own_ref `[w, w]` int8 (ancestors-or-self); writes
     prefix_ref `[16]` (block r's), a_ref, p_ref `[16, w]` (block r's rows of A and of the outputs'
-    ratio * q k^T; zero past the block, where no ancestor is) and x_ref `[16, 16]` = (I + A_rr)^-1.
-    Every row over all w columns at once: one product each, no loop over earlier blocks."""
+    ratio * q k^T, in blocks c <= r only) and x_ref `[16, 16]` = (I + A_rr)^-1."""
     r = pl.program_id(2)
-    w = own_ref.shape[0]
     dot = functools.partial(plgpu.dot, precision=precision)
-    rows = pl.ds(pl.multiple_of(r * BLOCK, BLOCK), BLOCK)
+    rows = lambda c: pl.ds(pl.multiple_of(c * BLOCK, BLOCK), BLOCK)  # noqa: E731
     i = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0)
     j = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1)
-    g = g_ref[...][None, :]
-    prefix = jnp.sum(jnp.where(own_ref[...] != 0, g, 0.0), axis=1)  # [w]: each node's sum of g along its path
-    own_r = own_ref[rows, :] != 0
-    prefix_r = jnp.sum(jnp.where(own_r, g, 0.0), axis=1)  # [16]: block r's rows of the same sums
-    q_r, k_r = q_ref[rows, :].astype(jnp.float32), k_ref[rows, :].astype(jnp.float32)
-    beta_r = beta_ref[rows][:, None]
+
+    def prefix(c):  # [16]: block c's sums of g along each node's path
+        return jnp.sum(jnp.where(own_ref[rows(c), :] != 0, g_ref[...][None, :], 0.0), axis=1)
+
+    q_r, k_r, prefix_r = q_ref[rows(r), :].astype(jnp.float32), k_ref[rows(r), :].astype(jnp.float32), prefix(r)
+    beta_r = beta_ref[rows(r)][:, None]
     prefix_ref[...] = prefix_r
 
-    def couplings(own, prefix_c, k_c, strict):  # A (strict ancestors) and ratio * q k^T (ancestors-or-self)
-        ratio = jnp.where(own, jnp.exp(jnp.minimum(prefix_r[:, None] - prefix_c[None, :], 0.0)), 0.0)
-        return jnp.where(strict, beta_r * ratio * dot(k_r, k_c, trans_b=True), 0.0), ratio * dot(q_r, k_c, trans_b=True)
+    def block(c, strict):  # block c's A (strict ancestors) and ratio * q k^T (ancestors-or-self), [16, 16]
+        own = own_ref[rows(r), rows(c)] != 0
+        ratio = jnp.where(own, jnp.exp(jnp.minimum(prefix_r[:, None] - prefix(c)[None, :], 0.0)), 0.0)
+        k_c = k_ref[rows(c), :].astype(jnp.float32)
+        a = jnp.where(strict, beta_r * ratio * dot(k_r, k_c, trans_b=True), 0.0)
+        a_ref[:, rows(c)], p_ref[:, rows(c)] = a, ratio * dot(q_r, k_c, trans_b=True)
+        return a
 
-    node = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, w), 0) + r * BLOCK
-    column = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, w), 1)
-    a_ref[...], p_ref[...] = couplings(own_r, prefix, k_ref[...].astype(jnp.float32), column != node)
-    # the diagonal block again, as a [16, 16] tile for its inverse (a register tile cannot be sliced)
-    within, _ = couplings(own_ref[rows, rows] != 0, prefix_r, k_r, i > j)
+    @pl.loop(0, r)
+    def _(c):
+        block(c, True)
+
+    within = block(r, i > j)
     # (I + within)^-1 by doubling inverted diagonal blocks: with x the inverse of the diagonal blocks of size
     # s and l the entries below them in blocks of 2s, x - x l x inverts the blocks of 2s (exactly:
     # [[a, 0], [c, b]]^-1 = [[a^-1, 0], [-b^-1 c a^-1, b^-1]]); the blocks of 1 are ones.
@@ -111,30 +113,32 @@ def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, s_ref, prefix_ref, a_ref, p_ref
     column = jax.lax.broadcasted_iota(jnp.int32, (BLOCK, w), 1)
     node = jax.lax.broadcasted_iota(jnp.int32, (w, 1), 0)
     s = s_ref[...]
-    decay = jnp.exp(prefix_ref[...])[:, None]
 
-    def sync():  # what one thread wrote, another reads next
-        if barrier:
-            plgpu.debug_barrier()
+    def rhs(r, _):  # beta (v - exp(prefix) k S0), block r's rows, into u's rows until they are solved
+        k_r, decay = k_ref[rows(r), :].astype(jnp.float32), jnp.exp(prefix_ref[rows(r)])[:, None]
+        u_ref[rows(r), :] = beta_ref[rows(r)][:, None] * (v_ref[rows(r), :].astype(jnp.float32) - decay * dot(k_r, s))
+        return 0
 
-    # every row's right-hand side and the outputs' state term at once (neither depends on u); the rows of
-    # u not yet solved hold their right-hand side, which the loop reads a block at a time
-    u_ref[...] = beta_ref[...][:, None] * (v_ref[...].astype(jnp.float32) - decay * dot(k_ref[...].astype(jnp.float32), s))
-    out_ref[...] = decay * dot(q_ref[...].astype(jnp.float32), s)
-    sync()
+    # independent of u, so out of the dependent chain below (whose every step waits on a barrier)
+    jax.lax.fori_loop(0, blocks, rhs, 0)
 
     def solve(r, _):  # u_r = X_r (rhs_r - A_r,<r u_<r): one product with every earlier block's u
+        if barrier:  # what other threads wrote (the right-hand sides, earlier blocks' u) is visible
+            plgpu.debug_barrier()
         earlier = jnp.where(node < r * BLOCK, u_ref[...], 0.0)
-        rhs = u_ref[rows(r), :] - dot(jnp.where(column < r * BLOCK, a_ref[rows(r), :], 0.0), earlier)
-        u_ref[rows(r), :] = dot(x_ref[rows(r), :], rhs)  # each element after its own column's reads
-        sync()
+        rhs_r = u_ref[rows(r), :] - dot(jnp.where(column < r * BLOCK, a_ref[rows(r), :], 0.0), earlier)
+        u_ref[rows(r), :] = dot(x_ref[rows(r), :], rhs_r)  # each element after its own column's reads
         return 0
 
     jax.lax.fori_loop(0, blocks, solve, 0)
+    if barrier:
+        plgpu.debug_barrier()
     u = jnp.where(node < blocks * BLOCK, u_ref[...], 0.0)
 
-    def output(r, _):  # + (ratio * q k^T) u over the node's path
-        out_ref[rows(r), :] += dot(jnp.where(column < (r + 1) * BLOCK, p_ref[rows(r), :], 0.0), u)
+    def output(r, _):  # exp(prefix) q S0 + (ratio * q k^T) u over the node's path
+        decay = jnp.exp(prefix_ref[rows(r)])[:, None]
+        out_ref[rows(r), :] = decay * dot(q_ref[rows(r), :].astype(jnp.float32), s) + dot(
+            jnp.where(column < (r + 1) * BLOCK, p_ref[rows(r), :], 0.0), u)
         return 0
 
     jax.lax.fori_loop(0, blocks, output, 0)
