@@ -10,13 +10,10 @@ A round's latency is a chain of small dependent products, so the work is split b
 - `_system_kernel`, one program per (sequence, value head, block of 16 nodes), all blocks at once: the
   block's prefix, its rows of A and of ratio * q k^T, and the inverse of its 16 x 16 diagonal block of
   I + A by doubling (three steps of two products; the 15-step iteration this replaced was half the
-  layer's time). (Its rows over all nodes in one product each spilled: a w x w tile a thread.)
-- `_solve_kernel`, one program per (sequence, value head, `block_v` value columns): every block's
-  right-hand side first (independent blocks), then block by block u_r = X_r (rhs_r - A_r,<r u_<r), one
-  product with every earlier block's u (they are read back from the output behind a barrier: other
-  threads wrote them); then every block's output, independent of the others.
-Inputs and outputs keep the model's `[B, T, H, ...]` layout (a block picks its head by the stride), so no
-transposes run around the kernels.
+  layer's time).
+- `_solve_kernel`, one program per (sequence, value head, `block_v` value columns): block by block,
+  u_r = X_r (rhs_r - A_r,<r u_<r), one product with every earlier block's u (they are read back from the
+  output behind a barrier: other threads wrote them); then every block's output, independent of the others.
 The solve's columns are independent, so value columns split across programs (more programs at batch 1,
 a smaller state tile each). Outputs: out `[B, T, H_v, d_v]` float32, and u `[B, H_v, T, d_v]`, prefix
 `[B, H_v, T]` for `fold`.
@@ -114,25 +111,17 @@ def _solve_kernel(q_ref, k_ref, v_ref, beta_ref, s_ref, prefix_ref, a_ref, p_ref
     node = jax.lax.broadcasted_iota(jnp.int32, (w, 1), 0)
     s = s_ref[...]
 
-    def rhs(r, _):  # beta (v - exp(prefix) k S0), block r's rows, into u's rows until they are solved
-        k_r, decay = k_ref[rows(r), :].astype(jnp.float32), jnp.exp(prefix_ref[rows(r)])[:, None]
-        u_ref[rows(r), :] = beta_ref[rows(r)][:, None] * (v_ref[rows(r), :].astype(jnp.float32) - decay * dot(k_r, s))
-        return 0
-
-    # independent of u, so out of the dependent chain below (whose every step waits on a barrier)
-    jax.lax.fori_loop(0, blocks, rhs, 0)
-
     def solve(r, _):  # u_r = X_r (rhs_r - A_r,<r u_<r): one product with every earlier block's u
-        if barrier:  # what other threads wrote (the right-hand sides, earlier blocks' u) is visible
+        k_r, beta_r = k_ref[rows(r), :].astype(jnp.float32), beta_ref[rows(r)][:, None]
+        earlier = jnp.where(node < r * BLOCK, u_ref[...], 0.0)  # rows not yet written may hold anything
+        rhs = beta_r * (v_ref[rows(r), :].astype(jnp.float32) - jnp.exp(prefix_ref[rows(r)])[:, None] * dot(k_r, s))
+        rhs = rhs - dot(jnp.where(column < r * BLOCK, a_ref[rows(r), :], 0.0), earlier)
+        u_ref[rows(r), :] = dot(x_ref[rows(r), :], rhs)
+        if barrier:
             plgpu.debug_barrier()
-        earlier = jnp.where(node < r * BLOCK, u_ref[...], 0.0)
-        rhs_r = u_ref[rows(r), :] - dot(jnp.where(column < r * BLOCK, a_ref[rows(r), :], 0.0), earlier)
-        u_ref[rows(r), :] = dot(x_ref[rows(r), :], rhs_r)  # each element after its own column's reads
         return 0
 
     jax.lax.fori_loop(0, blocks, solve, 0)
-    if barrier:
-        plgpu.debug_barrier()
     u = jnp.where(node < blocks * BLOCK, u_ref[...], 0.0)
 
     def output(r, _):  # exp(prefix) q S0 + (ratio * q k^T) u over the node's path
@@ -165,16 +154,15 @@ def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 64, precision
     w = pow2_at_least(blocks * BLOCK)  # the width of the products over every node (a power of two)
     pad = w - t
 
-    def nodes(x):  # node axis 1 padded to w; heads stay where they are (the blocks pick one by its stride)
-        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    def nodes(x):  # node axis 1 -> padded, heads first: [B, H, w, ...]
+        return jnp.moveaxis(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), 2, 1)
 
     own = jnp.pad(ancestors, [(0, 0), (0, pad), (0, pad)]) | (jnp.eye(w, dtype=bool) & (jnp.arange(w) >= t))
     q, k, v, beta = nodes(q), nodes(k), nodes(v), nodes(beta.astype(jnp.float32))
     precision = PRECISIONS["ieee" if interpret else precision]
     repeat = h_v // h_k
-    key_head = pl.BlockSpec((None, w, None, d_k), lambda i, j, c: (i, 0, j // repeat, 0))
-    head = pl.BlockSpec((None, w, None), lambda i, j, c: (i, 0, j))
-    head_out = pl.BlockSpec((None, None, w), lambda i, j, c: (i, j, 0))
+    key_head = pl.BlockSpec((None, None, w, d_k), lambda i, j, c: (i, j // repeat, 0, 0))
+    head = pl.BlockSpec((None, None, w), lambda i, j, c: (i, j, 0))
     square = pl.BlockSpec((None, None, w, w), lambda i, j, c: (i, j, 0, 0))
     node_rows = lambda *shape: pl.BlockSpec((None, None, BLOCK, *shape), lambda i, j, r: (i, j, r, 0))  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct((b, h_v, *shape), jnp.float32)  # noqa: E731
@@ -186,15 +174,13 @@ def tree_gdn(q, k, v, g, beta, state, ancestors, *, block_v: int = 64, precision
                    node_rows(BLOCK)],
         out_shape=[f32(w), f32(w, w), f32(w, w), f32(w, BLOCK)],
         name="tree_gdn_system", num_warps=4, num_stages=1, interpret=interpret, poison=poison)
-    value_columns = pl.BlockSpec((None, w, None, block_v), lambda i, j, c: (i, 0, j, c))
     columns = pl.BlockSpec((None, None, w, block_v), lambda i, j, c: (i, j, 0, c))
     state_columns = pl.BlockSpec((None, None, d_k, block_v), lambda i, j, c: (i, j, 0, c))
     out, u = pallas_call(
         functools.partial(_solve_kernel, blocks=blocks, precision=precision, barrier=not interpret),
         [q, k, v, beta, state.astype(jnp.float32), prefix, a, p, x], grid=(b, h_v, d_v // block_v),
-        in_specs=[key_head, key_head, value_columns, head, state_columns,
-                  head_out, square, square, pl.BlockSpec((None, None, w, BLOCK), lambda i, j, c: (i, j, 0, 0))],
-        out_specs=[value_columns, columns],
-        out_shape=[jax.ShapeDtypeStruct((b, w, h_v, d_v), jnp.float32), f32(w, d_v)],
+        in_specs=[key_head, key_head, columns, head, state_columns,
+                  head, square, square, pl.BlockSpec((None, None, w, BLOCK), lambda i, j, c: (i, j, 0, 0))],
+        out_specs=[columns, columns], out_shape=[f32(w, d_v), f32(w, d_v)],
         name="tree_gdn_solve", num_warps=4 if w <= 128 else 8, num_stages=1, interpret=interpret, poison=poison)
-    return out[:, :t], u[:, :, :t], prefix[:, :, :t]
+    return jnp.moveaxis(out[:, :, :t], 1, 2), u[:, :, :t], prefix[:, :, :t]
