@@ -22,7 +22,8 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m weaver_jax.demo
 
-# --reruns: a test whose worker crashed (a segfault inside XLA) runs once more; failures are never rerun
+# --reruns: a test whose worker crashed runs once more (a safety net: the crash seen in nearly every run, a
+# worker past vm.max_map_count inside XLA, is prevented in tests/conftest.py); failures are never rerun
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n 2 --durations=15 -m "not gpu and not slow" --reruns 1 --only-rerun "crashed while running"

@@ -6,10 +6,11 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     # faster (the greedy tests), while runtime-bound tests (16000-sample distributions) run ~a third slower;
     # the suite as a whole gains (2-worker suite: ~920 s with it, 1237 s without). Set before jax starts;
     # subprocesses (CLI, notebook kernels) inherit it. WEAVER_JAX_TEST_XLA_FLAGS="" turns it off.
-    # One CI run had a worker segfault inside XLA in a small eager test (not reproduced in 10 reruns of it):
-    # `make test` reruns a test once if, and only if, its worker crashed (pytest-rerunfailures).
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), os.environ.get(
         "WEAVER_JAX_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")]).strip()
+
+import gc  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -55,6 +56,34 @@ def _auto_costs(tmp_path_factory, monkeypatch):
 
     path = tmp_path_factory.getbasetemp() / "auto_costs.json"
     monkeypatch.setattr(_auto, "cost_file", lambda: path)
+
+
+def _memory_maps() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+MAP_LIMIT = int(open("/proc/sys/vm/max_map_count").read()) if os.path.exists("/proc/sys/vm/max_map_count") else 0
+_last_map_check = [0.0]
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Each program XLA compiles for the CPU keeps its code in memory maps of its own (a `generate` program a few
+    hundred), and a worker compiles thousands: past Linux's vm.max_map_count (65530 by default) the next map fails
+    and the worker dies inside XLA's compile, segfault or abort (once in nearly every full run, ~80% through:
+    reproduced in 3 minutes with the limit at 15000). Past half the limit, every compiled program is let go
+    (`generate`'s and jax's caches), which unmaps them; a later test compiles what it needs again. Counted at
+    most every 10 s (reading the maps takes ~40 ms at 30000)."""
+    yield
+    if MAP_LIMIT and time.monotonic() - _last_map_check[0] > 10:
+        _last_map_check[0] = time.monotonic()
+        if _memory_maps() > MAP_LIMIT // 2:
+            from weaver_jax import _generate
+
+            _generate._COMPILED.clear()
+            jax.clear_caches()
+            gc.collect()
 
 
 @pytest.fixture(params=sorted(FAMILIES))
