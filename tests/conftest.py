@@ -11,6 +11,7 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 
 import gc  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -63,7 +64,8 @@ def _memory_maps() -> int:
         return f.read().count(b"\n")
 
 
-MAP_LIMIT = int(open("/proc/sys/vm/max_map_count").read()) if os.path.exists("/proc/sys/vm/max_map_count") else 0
+_MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")
+MAP_LIMIT = int(_MAX_MAP_COUNT.read_text()) if _MAX_MAP_COUNT.exists() else 0
 _last_map_check = [0.0]
 
 
