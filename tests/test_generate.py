@@ -73,6 +73,20 @@ def test_pad_to_shares_one_compilation_and_changes_nothing():
     assert other.stats["compile_seconds"] < padded.stats["compile_seconds"] / 10  # the compiled function, reused
 
 
+def test_compiled_programs_are_kept_up_to_a_bound_least_recently_used_first(monkeypatch):
+    from weaver_jax import _generate
+
+    monkeypatch.setattr(_generate, "MAX_COMPILED", 2)
+    monkeypatch.setattr(_generate, "_COMPILED", type(_generate._COMPILED)())
+    double = jax.jit(lambda x: 2 * x)
+    first, second = (_generate._compiled(double, {}, jnp.zeros(n)) for n in (1, 2))
+    assert _generate._compiled(double, {}, jnp.zeros(1)) is first  # used again: now the most recent
+    _generate._compiled(double, {}, jnp.zeros(3))  # evicts the least recently used, n = 2
+    assert _generate._compiled(double, {}, jnp.zeros(1)) is first and len(_generate._COMPILED) == 2
+    again = _generate._compiled(double, {}, jnp.zeros(2))
+    assert again is not second and np.asarray(again(jnp.ones(2))).tolist() == [2.0, 2.0]
+
+
 def test_generate_reads_weights_changed_in_place():
     """A model's split is kept between calls only while its structure is the same, and its state is rebuilt from
     the arrays it holds now: weights changed in place (training does) are what the next call reads, and a new

@@ -255,7 +255,11 @@ def _eos_ids(eos_token_id, default: tuple[int, ...], vocab_size: int) -> tuple[i
     return tuple(sorted(int(e) for e in ids))
 
 
-_COMPILED: dict = {}
+# Compiled programs, least recently used first. Bounded: each program holds its executable (on a CPU a few hundred
+# memory maps of its own, and Linux stops a process at vm.max_map_count, 65530 by default: a long-lived process
+# compiling many shapes crashed inside XLA's compile), and one evicted is compiled again when next used.
+MAX_COMPILED = 128
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
 # The latest compiles' phases: (function name, perf_counter at the start of tracing, of lowering, of XLA's compile,
 # at its end). Tracing and lowering run Python under the GIL, so programs compiled at once (`weaver-jax tune`'s
 # cells) wait on each other there (bench/tune_split.py)
@@ -317,6 +321,10 @@ def _compiled(fn, static: dict, *args):
         t2 = time.perf_counter()
         _COMPILED[key] = lowered.compile(compiler_options=options or None)
         COMPILE_PHASES.append((fn.__name__, t0, t1, t2, time.perf_counter()))
+        while len(_COMPILED) > MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+    else:
+        _COMPILED.move_to_end(key)
     return _COMPILED[key]
 
 
