@@ -18,14 +18,17 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
   tree_gdn: a Gated DeltaNet layer's tree verification (every node along its own path, no per-node
     state) for hybrid targets. Used by their GDN layers when selected (measured on the H200 at 65 nodes:
     1.66x XLA's form at batch 1, 1.84x at 8; products in TF32 as XLA's own at the default precision).
+  attention_from_qkv: tree_attention taking the fused qkv product's output, with the q / k norms, the
+    rotation and both cache writes inside its kernel. Used by dense targets' decode steps on one device
+    (with tree_attention; measured faster there, slower for 64-node trees).
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
-`WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off. By default, where jax's backend is a GPU,
-the kernels measured faster than XLA there (`MEASURED`, see BENCHMARKS.md) are on, and none
-elsewhere; forced on a CPU they run in Pallas interpret mode (tests). The selection is read when a
-function is traced: `generate` passes `enabled_kernels()` to the jitted `ar_generate` /
-`spec_generate` as their static `kernels` argument, so a change takes effect at the next call;
-other jitted code sees the selection it was first traced with.
+`WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off (a comma-separated list of names: those). By
+default, where jax's backend is a GPU, the kernels measured faster than XLA there (`MEASURED`, see
+BENCHMARKS.md) are on, and none elsewhere; forced on a CPU they run in Pallas interpret mode (tests).
+The selection is read when a function is traced: `generate` passes `enabled_kernels()` to the jitted
+`ar_generate` / `spec_generate` as their static `kernels` argument, so a change takes effect at the next
+call; other jitted code sees the selection it was first traced with.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ import jax.numpy as jnp
 
 # A masked attention score: finite, so exp(MASKED_SCORE - m) is 0 without NaNs (shared by the kernels)
 MASKED_SCORE = 0.7 * float(jnp.finfo(jnp.float32).min)
-KERNELS = ("tree_attention", "accept_commit", "adapter_attention", "weaver_search", "tree_gdn")
-MEASURED = ("tree_attention", "accept_commit", "adapter_attention", "tree_gdn")  # on by default on GPUs: each
-# measured faster than XLA there (BENCHMARKS.md); weaver_search measured slower
+KERNELS = ("tree_attention", "accept_commit", "adapter_attention", "weaver_search", "tree_gdn", "attention_from_qkv")
+# on by default on GPUs: each measured faster than XLA there (BENCHMARKS.md); weaver_search measured slower
+MEASURED = ("tree_attention", "accept_commit", "adapter_attention", "tree_gdn", "attention_from_qkv")
 _forced: bool | None = None
 _scoped: list[tuple[str, ...]] = []
 
@@ -78,7 +81,11 @@ def enabled_kernels() -> tuple[str, ...]:
     if flag in ("0", "1"):
         return KERNELS if flag == "1" else ()
     if flag:
-        raise ValueError(f"WEAVER_JAX_KERNELS must be 0 or 1, got {flag!r}")
+        names = tuple(name.strip() for name in flag.split(","))
+        if set(names) - set(KERNELS):
+            raise ValueError(f"WEAVER_JAX_KERNELS must be 0, 1 or a comma-separated list of {list(KERNELS)}, "
+                             f"got {flag!r}")
+        return names
     return MEASURED if jax.default_backend() == "gpu" else ()
 
 

@@ -16,21 +16,23 @@ from jax.sharding import PartitionSpec as P
 def pallas_call(kernel, args, *, grid, in_specs, out_specs, out_shape, name: str, num_warps: int, num_stages: int,
                 interpret: bool, poison: bool = False, aliases: dict[int, int] | None = None):
     """`pl.pallas_call(kernel, ...)(*args)` on the Triton backend with explicit launch parameters.
-    poison (tests): every output starts as NaN (-7 for integers), aliased in as an extra input, so
-    an element no program writes cannot pass."""
+    poison (tests): every output not aliased to an input starts as NaN (-7 for integers), aliased in as an
+    extra input, so an element no program writes cannot pass."""
     aliases = dict(aliases or {})
     if poison:
         several = isinstance(out_shape, list | tuple)
         outputs = list(out_shape) if several else [out_shape]
+        specs = list(out_specs) if several else [out_specs]
+        poisoned = [i for i in range(len(outputs)) if i not in aliases.values()]
         inputs = len(args)
-        in_specs = [*in_specs, *(out_specs if several else [out_specs])]
-        args = [*args, *(jnp.full(o.shape, jnp.nan if jnp.issubdtype(o.dtype, jnp.floating) else -7, o.dtype)
-                         for o in outputs)]
-        outputs = len(outputs)
-        aliases.update({inputs + i: i for i in range(outputs)})
+        in_specs = [*in_specs, *(specs[i] for i in poisoned)]
+        args = [*args, *(jnp.full(outputs[i].shape, jnp.nan if jnp.issubdtype(outputs[i].dtype, jnp.floating) else -7,
+                                  outputs[i].dtype) for i in poisoned)]
+        aliases.update({inputs + j: i for j, i in enumerate(poisoned)})
+        extra = len(poisoned)
 
         def kernel(*refs, inner=kernel):
-            inner(*refs[:inputs], *refs[inputs + outputs:])
+            inner(*refs[:inputs], *refs[inputs + extra:])
 
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           input_output_aliases=aliases, interpret=interpret, name=name,

@@ -11,7 +11,13 @@ import pytest
 
 from weaver_jax._tree import Tree
 from weaver_jax.pallas_kernels import interpret
-from weaver_jax.pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+from weaver_jax.pallas_kernels.tree_attention import (
+    rope_table,
+    tree_attention,
+    tree_attention_from_qkv,
+    tree_attention_from_qkv_reference,
+    tree_attention_reference,
+)
 
 from .cuda import lower_for_cuda
 
@@ -70,6 +76,28 @@ def test_bfloat16_inputs_accumulate_in_float32():
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=3e-2)
 
 
+@pytest.mark.parametrize("case", [  # batch, nodes, query / kv heads, head dim, cache slots, padding, q/k norm eps,
+    # options; lengths up to 2 past the last that fits: rows past the cache are dropped and unseen
+    (2, 5, 8, 2, 16, 40, 1, 1e-6, dict(splits=3)), (1, 1, 4, 4, 32, 64, 0, None, {}),
+    (3, 17, 8, 4, 16, 60, 3, 1e-6, dict(splits=2, block_r=16))])
+def test_attention_from_qkv_matches_norm_rotate_write_attend(case):
+    """The fused form (norms, rotation and cache writes inside the partials kernel) equals the model's steps in
+    XLA (`tree_attention_from_qkv_reference`): the output and both caches, fresh random inputs, outputs poisoned."""
+    b, n, h, kv, d, s, padding, eps, options = case
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    qkv = jnp.asarray(rng.standard_normal((b, n, (h + 2 * kv) * d)), jnp.float32)
+    k_cache, v_cache = (jnp.asarray(rng.standard_normal((b, s, kv, d)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray(rng.integers(0, s - n + 3, b), jnp.int32)
+    rope = rope_table(lengths[:, None] + jnp.arange(n), 1.0 / 10000 ** (np.arange(0, d, 2) / d))
+    q_norm, k_norm = (jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32) for _ in range(2))
+    args = (qkv, rope, q_norm, k_norm, k_cache, v_cache, lengths, random_ancestors(rng, b, n, padding))
+    got = tree_attention_from_qkv(*args, heads=h, eps=eps, block_k=16, **options, interpret=interpret(), poison=True)
+    want = jax.jit(tree_attention_from_qkv_reference, static_argnames=("heads", "eps"))(*args, heads=h, eps=eps)
+    for name, a, b_ in zip(("out", "k_cache", "v_cache"), got, want, strict=True):
+        np.testing.assert_allclose(a, b_, atol=2e-5, rtol=2e-5, err_msg=f"{name}, seed {seed}")
+
+
 LIBRARY_SHAPES = [  # Qwen3-8B (32 / 8 heads, dim 128) at N = 1 / 64 / 256, B = 1 / 8; SmolLM2 (9 / 3, dim 64)
     (1, 1, 32, 8, 128, 2048, jnp.bfloat16), (1, 64, 32, 8, 128, 4096, jnp.bfloat16),
     (8, 256, 32, 8, 128, 16384, jnp.bfloat16), (1, 65, 9, 3, 64, 512, jnp.float32),
@@ -85,13 +113,18 @@ def test_lowers_for_cuda(shape, options):
             jax.ShapeDtypeStruct((b, s, kv, d), dtype), jax.ShapeDtypeStruct((b,), jnp.int32),
             jax.ShapeDtypeStruct((b, n, n), jnp.bool_)]
     lower_for_cuda(tree_attention, *args, **options)
+    if not options:  # the form from qkv (Qwen3's q / k norms)
+        qkv = jax.ShapeDtypeStruct((b, n, (h + 2 * kv) * d), dtype)
+        rope, norm = jax.ShapeDtypeStruct((b, n, 2, d), jnp.float32), jax.ShapeDtypeStruct((d,), dtype)
+        lower_for_cuda(tree_attention_from_qkv, qkv, rope, norm, norm, *args[1:], heads=h, eps=1e-6)
 
 
 @pytest.mark.parametrize("method, options, temperature, search", [
     ("ar", {}, 0.0, None), ("dflash", {}, 0.0, None),  # (a DDTree round runs the same kernels as Weaver's)
     ("weaver", {"budget": 10}, 0.0, "kernels"), ("weaver", {"budget": 10}, 1.0, "xla")])
 def test_generation_with_kernels_equals_without(method, options, temperature, search, monkeypatch):
-    """The target's forward with the tree-attention kernel (prefill, decode steps, verification),
+    """The target's forward with the tree-attention kernel (prefill, decode steps - in the form that norms,
+    rotates and writes the cache itself - and verification),
     the acceptance + commit kernel, and the Weaver search in its kernels (or, search "xla", in XLA
     with the adapter-attention kernel) emit the same tokens as the XLA paths (greedy, and sampled
     with the same key), and the kernels are really traced in."""
@@ -103,8 +136,10 @@ def test_generation_with_kernels_equals_without(method, options, temperature, se
     from weaver_jax.pallas_kernels import weaver_search as search_module
     from weaver_jax.testing import random_bundle
 
-    calls, accepts, adapters, searches = [], [], [], []
-    for owner, name, log in ((module, "tree_attention", calls), (accept_module, "accept_commit", accepts),
+    calls, fused_calls, accepts, adapters, searches = [], [], [], [], []
+    fused = method == "ar"  # its decode steps norm, rotate and write the cache inside the kernel
+    for owner, name, log in ((module, "tree_attention", calls), (module, "tree_attention_from_qkv", fused_calls),
+                             (accept_module, "accept_commit", accepts),
                              (adapter_module, "adapter_attention", adapters),
                              (search_module, "weaver_search", searches)):
         original = getattr(owner, name)
@@ -119,7 +154,7 @@ def test_generation_with_kernels_equals_without(method, options, temperature, se
             outputs.append(weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=10, eos_token_id=[],
                                                temperature=temperature, top_k=20 if temperature else 0, seed=3,
                                                **options).tokens)
-        assert bool(calls) == on
+        assert bool(calls) == on and bool(fused_calls) == (on and fused)  # (rounds and the prefill: many rows)
         assert bool(accepts) == (on and method != "ar")
         assert bool(adapters) == (on and search == "xla")
         assert bool(searches) == (on and search == "kernels")
@@ -150,6 +185,8 @@ def test_switch_default_and_environment(monkeypatch):
         kernels_enabled("flash")
     with pytest.raises(ValueError, match="unknown kernels"), kernel_scope(("flash",)):
         pass
+    monkeypatch.setenv("WEAVER_JAX_KERNELS", "tree_attention, tree_gdn")
+    assert enabled_kernels() == ("tree_attention", "tree_gdn")
     monkeypatch.setenv("WEAVER_JAX_KERNELS", "yes")
-    with pytest.raises(ValueError, match="WEAVER_JAX_KERNELS must be 0 or 1"):
+    with pytest.raises(ValueError, match="WEAVER_JAX_KERNELS must be 0, 1 or a comma-separated list"):
         enabled_kernels()
