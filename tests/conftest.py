@@ -9,20 +9,7 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), os.environ.get(
         "WEAVER_JAX_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")]).strip()
 
-# One XLA compilation cache for the whole run: both pytest workers, the 8-device subprocess and the notebook kernels
-# compile many of the same programs (the same random bundles and methods in several files, and again after
-# `_release_compiled_programs` lets them go); a program that took a second or more to compile is loaded from it
-# instead. Made by the process that starts the run (workers and subprocesses inherit the variable) and removed at
-# its end; a cache the caller set is used as it is.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
-    import tempfile
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _RUN_CACHE = tempfile.mkdtemp(prefix="weaver_jax_test_xla_cache_")
-else:
-    _RUN_CACHE = None
-
 import gc  # noqa: E402
-import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,11 +40,6 @@ def make_pair(name: str, seed: int = 0, dtype: str = "float32", **overrides):
     weights = reference.random_hf_weights(cfg, seed)
     target = weaver_jax.target_from_params(cfg, target_params_from_hf(cfg, weights))
     return cfg, weights, target
-
-
-def pytest_unconfigure(config):
-    if _RUN_CACHE:
-        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
