@@ -17,6 +17,10 @@ Shapes: q `[B, N, H, D]`, k_cache / v_cache `[B, S, H_kv, D]` (the tree's K/V al
 `[len, len + N)`, len + N <= S), lengths `[B]`, ancestors `[B, N, N]` (`Tree.ancestors()`).
 Output `[B, N, H, D]` in q's dtype (accumulated in float32). D a power of two >= 16; any S.
 The kernels read q's and write the output's (node, head) rows in place: no transposed copies.
+
+`tree_attention_from_qkv` is the same attention from the fused projection's output `[B, N, (H + 2 H_kv) D]`:
+its partials kernel norms and rotates q and the new keys and writes the new K/V into the cache (aliased), what
+the model otherwise does in six small kernels a layer (`tree_attention_from_qkv_reference`).
 """
 
 from __future__ import annotations
@@ -189,9 +193,8 @@ def _partials_from_qkv_kernel(len_ref, qkv_ref, rope_ref, q_norm_ref, k_norm_ref
     busy = _busy_splits(length, splits, least, min_keys)
     n, d = ancestors_ref.shape[0], k_ref.shape[1]
     rows = m_ref.shape[0]
-    r = pl.program_id(2) * rows + jnp.arange(rows)
-    nodes = jnp.minimum(r // group, n - 1)
-    q = _normed_rotated(qkv_ref, rope_ref, q_norm_ref, nodes, (kv * group + r % group) * d, eps)
+    nodes, q_rows = _query_rows(pl.program_id(2), rows, group, heads, n)
+    q = _normed_rotated(qkv_ref, rope_ref, q_norm_ref, nodes, (q_rows - nodes * heads) * d, eps)
     carry = _prefix_share(_empty_softmax(rows, d), q, k_ref, v_ref, length, busy, block_k=block_k, scale=scale)
 
     def tree_block(i, c):  # the tree's keys from qkv, written to the cache once
