@@ -29,8 +29,11 @@ from weaver_jax.pallas_kernels._call import context_mesh
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 # The most new tokens a sequence's forward may have for its attention to norm, rotate and write the cache inside
-# the tree-attention kernel (`attention_from_qkv`): decode steps (`Attention._attend_from_qkv` says why)
+# the tree-attention kernel (`attention_from_qkv`): decode steps (`Attention._attend_from_qkv` says why). Up to
+# KEYS_FROM_QKV_MAX_NODES, only the keys' and values' share (the queries normed and rotated once, in XLA): off
+# until measured (bench/ab_kernels.sh)
 FROM_QKV_MAX_NODES = 1
+KEYS_FROM_QKV_MAX_NODES = 0
 
 
 def fresh_cache(model, batch: int, size: int):
@@ -273,9 +276,10 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if (t <= FROM_QKV_MAX_NODES and isinstance(mask, TreeVisibility) and kernels_enabled("attention_from_qkv")
-                and context_mesh() is None):
-            return self._attend_from_qkv(x, positions, inv_freq, k_cache, v_cache, lengths, mask)
+        if (t <= max(FROM_QKV_MAX_NODES, KEYS_FROM_QKV_MAX_NODES) and isinstance(mask, TreeVisibility)
+                and kernels_enabled("attention_from_qkv") and context_mesh() is None):
+            return self._attend_from_qkv(x, positions, inv_freq, k_cache, v_cache, lengths, mask,
+                                         queries_given=t > FROM_QKV_MAX_NODES)
         exact = isinstance(mask, PositionPath)
         q, k, v = self.project(x, positions, inv_freq, exact)
         k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
@@ -300,12 +304,14 @@ class Attention(nnx.Module):
                 v_cache)
 
 
-    def _attend_from_qkv(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
+    def _attend_from_qkv(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask, queries_given: bool):
         """`__call__` with the q / k norms, the rotation and the cache writes inside the tree-attention kernel
         (`tree_attention_from_qkv`: six launches a layer fewer at the Qwen3 shapes). Decode steps only (one new
         token a sequence): measured on an H100, a step 11% faster at SmolLM2's shape and 2.5% at Qwen3-8B's, but a
-        64-node verification 8% / 17% slower (each tree program norms and rotates every node's key, on its
-        critical path). One device only: under a mesh the kernels run per shard on `project`'s outputs."""
+        64-node verification 8% / 17% slower (every program norms and rotates its query rows, once per prefix
+        split, and each tree program all the new keys, before its first product). queries_given: the queries
+        normed and rotated here, once (`KEYS_FROM_QKV_MAX_NODES`). One device only: under a mesh the kernels run
+        per shard on `project`'s outputs."""
         from weaver_jax.pallas_kernels.tree_attention import rope_table, tree_attention_from_qkv
 
         b, t, _ = x.shape
@@ -313,8 +319,12 @@ class Attention(nnx.Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...]
         norms = (self.q_norm[...], self.k_norm[...]) if self.q_norm is not None else (None, None)
+        q = None
+        if queries_given:
+            q = qkv[..., : self.num_heads * self.head_dim].reshape(b, t, self.num_heads, self.head_dim)
+            q = apply_rope(q if norms[0] is None else rms_norm(q, norms[0], self.eps), positions, inv_freq)
         o, k_cache, v_cache = tree_attention_from_qkv(
-            qkv, rope_table(positions, inv_freq), *norms, k_cache, v_cache, lengths, mask.attend,
+            qkv, rope_table(positions, inv_freq), *norms, k_cache, v_cache, lengths, mask.attend, q,
             heads=self.num_heads, eps=self.eps if self.q_norm is not None else None, interpret=interpret())
         return dense(o.reshape(b, t, -1), self.out[...]), k_cache, v_cache
 
