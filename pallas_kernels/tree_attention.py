@@ -215,9 +215,8 @@ def _partials_from_qkv_kernel(len_ref, qkv_ref, rope_ref, q_norm_ref, k_norm_ref
             plgpu.store(k_out_ref.at[slots], keys.astype(k_out_ref.dtype), mask=fits[:, None])
             plgpu.store(v_out_ref.at[slots], values.astype(v_out_ref.dtype), mask=fits[:, None])
 
-        keys, values = jnp.where(fits[:, None], keys, 0).astype(k_ref.dtype), values.astype(v_ref.dtype)
-        return _softmax_step(c, q, keys, jnp.where(fits[:, None], values, 0), scale,
-                             _tree_visible(ancestors_ref, nodes, i, block_t) & fits[None, :])
+        keys, values = (jnp.where(fits[:, None], a, 0).astype(ref.dtype) for a, ref in ((keys, k_ref), (values, v_ref)))
+        return _softmax_step(c, q, keys, values, scale, _tree_visible(ancestors_ref, nodes, i, block_t) & fits[None, :])
 
     carry = jax.lax.fori_loop(0, (split == splits).astype(jnp.int32) * pl.cdiv(n, block_t), tree_block, carry)
 

@@ -259,13 +259,16 @@ class Attention(nnx.Module):
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         return {name: ((h * d, kv * d, kv * d), -1) for name in ("qkv", "qkv_bias") if getattr(self, name) is not None}
 
-    def project(self, x, positions, inv_freq, exact: bool = False):
-        """x `[B, T, D]` -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
+    def fused_qkv(self, x, exact: bool = False):
+        """x `[B, T, D]` -> the fused projection's output `[B, T, (H + 2 H_kv) hd]`, bias added."""
+        qkv = dense(x, self.qkv[...], exact, split=self.split("columns"))
+        return qkv if self.qkv_bias is None else qkv + self.qkv_bias[...]
+
+    def project(self, x, positions, inv_freq, exact: bool = False, qkv=None):
+        """x `[B, T, D]` (or its `fused_qkv`) -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = dense(x, self.qkv[...], exact, split=self.split("columns"))
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias[...]
+        qkv = self.fused_qkv(x, exact) if qkv is None else qkv
         q, k, v = split_grouped(qkv, self.fused()["qkv"][0], self.groups)
         q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kv, d), v.reshape(b, t, kv, d)
         if self.q_norm is not None:
@@ -303,7 +306,6 @@ class Attention(nnx.Module):
         return (dense(o.astype(x.dtype).reshape(b, t, h * d), self.out[...], exact, split=self.split("rows")), k_cache,
                 v_cache)
 
-
     def _attend_from_qkv(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask, queries_given: bool):
         """`__call__` with the q / k norms, the rotation and the cache writes inside the tree-attention kernel
         (`tree_attention_from_qkv`: six launches a layer fewer at the Qwen3 shapes). Decode steps only (one new
@@ -315,14 +317,9 @@ class Attention(nnx.Module):
         from weaver_jax.pallas_kernels.tree_attention import rope_table, tree_attention_from_qkv
 
         b, t, _ = x.shape
-        qkv = dense(x, self.qkv[...])
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias[...]
+        qkv = self.fused_qkv(x)
         norms = (self.q_norm[...], self.k_norm[...]) if self.q_norm is not None else (None, None)
-        q = None
-        if queries_given:
-            q = qkv[..., : self.num_heads * self.head_dim].reshape(b, t, self.num_heads, self.head_dim)
-            q = apply_rope(q if norms[0] is None else rms_norm(q, norms[0], self.eps), positions, inv_freq)
+        q = self.project(x, positions, inv_freq, qkv=qkv)[0] if queries_given else None  # (k, v unused: dropped)
         o, k_cache, v_cache = tree_attention_from_qkv(
             qkv, rope_table(positions, inv_freq), *norms, k_cache, v_cache, lengths, mask.attend, q,
             heads=self.num_heads, eps=self.eps if self.q_norm is not None else None, interpret=interpret())
