@@ -84,12 +84,14 @@ def sharded_hybrid():
 
 
 def kernels_run_per_shard():
-    """The Pallas kernels (interpret mode here) forced on, as a GPU runs them, on the hybrid Gated DeltaNet
-    target: each runs per device under `shard_map` on its sequences and heads (tree and adapter attention in
-    its gated attention layer, the acceptance walk and K/V moves, the tree GDN), and the tokens are the
-    unsharded XLA path's. Its GDN layers are split by key / value heads, the recurrent and conv states with
-    them. (One target: the kernels' sharding is the same in a dense one, and each interpret-mode program
-    costs the suite ~15 s to compile.)"""
+    """The Pallas kernels (interpret mode here) forced on, as a GPU runs them: each runs per device under
+    `shard_map` on its sequences and heads, and the tokens are the unsharded XLA path's. On the hybrid Gated
+    DeltaNet target: tree and adapter attention in its gated attention layer, the acceptance walk and K/V moves,
+    the tree GDN (its GDN layers split by key / value heads, the recurrent and conv states with them); on the
+    dense target: `ar`'s decode steps through attention_from_qkv (q / k norms, rotation and cache writes inside
+    the kernel, each device reading its block of qkv's grouped columns). (Each interpret-mode program costs the
+    suite ~15 s to compile: one method a target.)"""
+    from weaver_jax.pallas_kernels import tree_attention as module
     from weaver_jax.pallas_kernels import use_kernels
 
     reference = tokens(HYBRID, "weaver")
@@ -97,11 +99,18 @@ def kernels_run_per_shard():
     check(sharded.target.layers[0].mixer.groups == 2, "GDN layers grouped per device")
     same = all(np.array_equal(a, module_params(HYBRID.target)[k]) for k, a in module_params(sharded.target).items())
     check(same, "module_params of a sharded hybrid target is the unsharded layout (conv rows too)")
+    reference_ar = tokens(BUNDLE, "ar")  # compiled by greedy_equals_unsharded
+    from_qkv, traced = module.tree_attention_from_qkv, []
+    module.tree_attention_from_qkv = lambda *a, **k: traced.append(k["heads"]) or from_qkv(*a, **k)
     use_kernels(True)
     try:
         check(tokens(sharded, "weaver") == reference, "hybrid weaver with the kernels (2, 2)")
+        # a dense target's decode steps through attention_from_qkv, each device its 4 of 8 query heads
+        check(tokens(weaver_jax.shard(BUNDLE, mesh(2, 2)), "ar") == reference_ar and set(traced) == {4},
+              "dense ar with the kernels (2, 2), steps through attention_from_qkv per device")
     finally:
         use_kernels(None)
+        module.tree_attention_from_qkv = from_qkv
 
 
 def sampled_is_seed_identical():

@@ -280,7 +280,7 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if (t <= max(FROM_QKV_MAX_NODES, KEYS_FROM_QKV_MAX_NODES) and isinstance(mask, TreeVisibility)
-                and kernels_enabled("attention_from_qkv") and context_mesh() is None):
+                and kernels_enabled("attention_from_qkv") and self._heads_whole_per_device()):
             return self._attend_from_qkv(x, positions, inv_freq, k_cache, v_cache, lengths, mask,
                                          queries_given=t > FROM_QKV_MAX_NODES)
         exact = isinstance(mask, PositionPath)
@@ -306,24 +306,39 @@ class Attention(nnx.Module):
         return (dense(o.astype(x.dtype).reshape(b, t, h * d), self.out[...], exact, split=self.split("rows")), k_cache,
                 v_cache)
 
+    def _heads_whole_per_device(self) -> bool:
+        """Whether each device holds its heads' q, k and v columns together (one device, or grouped for the
+        context mesh's `model` axis by `weaver_jax.shard`): what the from-qkv kernel reads per device."""
+        mesh = context_mesh()
+        return mesh is None or self.groups == mesh.shape["model"]
+
     def _attend_from_qkv(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask, queries_given: bool):
         """`__call__` with the q / k norms, the rotation and the cache writes inside the tree-attention kernel
         (`tree_attention_from_qkv`: six launches a layer fewer at the Qwen3 shapes). Decode steps only (one new
         token a sequence): measured on an H100, a step 11% faster at SmolLM2's shape and 2.5% at Qwen3-8B's, but a
         64-node verification 8% / 17% slower (every program norms and rotates its query rows, once per prefix
         split, and each tree program all the new keys, before its first product). queries_given: the queries
-        normed and rotated here, once (`KEYS_FROM_QKV_MAX_NODES`). One device only: under a mesh the kernels run
-        per shard on `project`'s outputs."""
+        normed and rotated here, once (`KEYS_FROM_QKV_MAX_NODES`). Under a sharded bundle's mesh the kernel runs
+        per device on its sequences and heads (`per_shard`): its block of qkv's grouped columns, its caches' heads."""
+        from weaver_jax.pallas_kernels._call import batch_heads, per_shard
         from weaver_jax.pallas_kernels.tree_attention import rope_table, tree_attention_from_qkv
 
         b, t, _ = x.shape
         qkv = self.fused_qkv(x)
         norms = (self.q_norm[...], self.k_norm[...]) if self.q_norm is not None else (None, None)
-        q = self.project(x, positions, inv_freq, qkv=qkv)[0] if queries_given else None  # (k, v unused: dropped)
-        o, k_cache, v_cache = tree_attention_from_qkv(
-            qkv, rope_table(positions, inv_freq), *norms, k_cache, v_cache, lengths, mask.attend, q,
-            heads=self.num_heads, eps=self.eps if self.q_norm is not None else None, interpret=interpret())
-        return dense(o.reshape(b, t, -1), self.out[...]), k_cache, v_cache
+        given = (self.project(x, positions, inv_freq, qkv=qkv)[0],) if queries_given else ()  # (k, v dropped)
+        heads = self.num_heads // self.groups  # a device's
+
+        def attend(qkv, rope, k_cache, v_cache, lengths, ancestors, *q):
+            return tree_attention_from_qkv(qkv, rope, *norms, k_cache, v_cache, lengths, ancestors, *q, heads=heads,
+                                           eps=self.eps if self.q_norm is not None else None, interpret=interpret())
+
+        split = batch_heads(4, self.num_kv_heads)  # q, the caches, the output: batch and heads
+        o, k_cache, v_cache = per_shard(
+            attend, (qkv, rope_table(positions, inv_freq), k_cache, v_cache, lengths, mask.attend, *given),
+            (batch_heads(3, self.num_kv_heads), batch_heads(4), split, split, batch_heads(1), batch_heads(3),
+             *(split,) * len(given)), (split, split, split))
+        return dense(o.reshape(b, t, -1), self.out[...], split=self.split("rows")), k_cache, v_cache
 
 
 def per_head_kernel(kernel, kv_heads: int, heads: tuple, rows: tuple) -> jax.Array:
