@@ -88,6 +88,19 @@ def _release_compiled_programs():
             gc.collect()
 
 
+@pytest.fixture
+def programs(monkeypatch):
+    """`generate`'s compiled programs as an empty cache for the test (to count what it compiles), kept afterwards
+    for later tests."""
+    from weaver_jax import _generate
+
+    kept = _generate._COMPILED
+    fresh = type(kept)()
+    monkeypatch.setattr(_generate, "_COMPILED", fresh)
+    yield fresh
+    kept.update(fresh)
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param
