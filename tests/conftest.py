@@ -90,15 +90,19 @@ def _release_compiled_programs():
 
 @pytest.fixture
 def programs(monkeypatch):
-    """`generate`'s compiled programs as an empty cache for the test (to count what it compiles), kept afterwards
-    for later tests."""
+    """The distinct compiled programs `generate` (and streams) ran during the test, by id: compiled here or taken
+    from its cache (programs of earlier tests are reused, not compiled again)."""
     from weaver_jax import _generate
 
-    kept = _generate._COMPILED
-    fresh = type(kept)()
-    monkeypatch.setattr(_generate, "_COMPILED", fresh)
-    yield fresh
-    kept.update(fresh)
+    used, compiled = {}, _generate._compiled
+
+    def spy(fn, static, *args):
+        program = compiled(fn, static, *args)
+        used[id(program)] = program
+        return program
+
+    monkeypatch.setattr(_generate, "_compiled", spy)
+    return used
 
 
 @pytest.fixture(params=sorted(FAMILIES))
