@@ -39,9 +39,9 @@ from weaver_jax import _generate, _speculative  # noqa: E402
 
 @functools.partial(jax.jit, static_argnames=(*_speculative._STATIC, "coupled"))
 def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_lengths, keys, adapter_params=None,
-                 tables=None, *,
+                 tables=None, limit=None, eos_ids=(), *,
                  graphdef, drafter_graphdef, adapter_graphdef=None, method, options=(), max_new_tokens,
-                 sampling=_speculative._GREEDY, eos_ids=(), kernels=(), exact=False, coupled=True):
+                 sampling=_speculative._GREEDY, kernels=(), exact=False, coupled=True):
     """`spec_first_round`'s arguments -> (greedy τ `[B]`, expected τ at temperature 1 by depth `[B, K + 1]`:
     the summed path probability of each depth's nodes, the root's 1 first; its sum is the expected τ of
     independent draws; sampled τ `[B]`: the walk of the round's own draws at `sampling` - with the tree
@@ -49,7 +49,7 @@ def round_scores(params, drafter_params, cache, drafter_cache, prompts, prompt_l
     p = _speculative._parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef,
                             method, options, exact, tables)
     s = _speculative._prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
-                              max_new_tokens)
+                              max_new_tokens, limit)
     build = sampling if coupled else _speculative._GREEDY  # what the tree is built for
     noise = _speculative.round_noise(p, s, keys, sampling)
     tree, ancestors, verify = _speculative._propose_and_verify(p, s, noise, build)

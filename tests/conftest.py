@@ -88,6 +88,23 @@ def _release_compiled_programs():
             gc.collect()
 
 
+@pytest.fixture
+def programs(monkeypatch):
+    """The distinct compiled programs `generate` (and streams) ran during the test, by id: compiled here or taken
+    from its cache (programs of earlier tests are reused, not compiled again)."""
+    from weaver_jax import _generate
+
+    used, compiled = {}, _generate._compiled
+
+    def spy(fn, static, *args):
+        program = compiled(fn, static, *args)
+        used[id(program)] = program
+        return program
+
+    monkeypatch.setattr(_generate, "_compiled", spy)
+    return used
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param

@@ -48,7 +48,9 @@ def test_greedy_equals_plain_decoding(family, seed):
     assert out.stats["rounds"] == 10 and out.stats["new_tokens"] == 30
 
 
-def test_eos_stops_each_sequence_and_max_new_tokens_is_exact():
+def test_eos_stops_each_sequence_and_max_new_tokens_is_exact(programs):
+    """...and lengths of one bucket (up to 32) and EOS sets of up to 4 ids share one compiled program: the limit and
+    the EOS ids are traced arguments."""
     bundle = weaver_jax.testing.random_bundle(3)
     prompts = [[5, 6, 7], [9, 1, 2, 3, 4]]
     free = weaver_jax.generate(bundle, prompts, max_new_tokens=9, eos_token_id=[]).tokens
@@ -60,7 +62,17 @@ def test_eos_stops_each_sequence_and_max_new_tokens_is_exact():
     expected1 = free[1][: free[1].index(eos) + 1] if eos in free[1] else free[1]
     assert out.tokens[1] == expected1
     assert out.stats["rounds"] == max(len(t) for t in out.tokens)
+    assert out.stats["finish_reasons"][0] == "stop"
     assert weaver_jax.generate(bundle, prompts, max_new_tokens=1).tokens == [t[:1] for t in free]
+    eos3 = [free[1][2], 127, 126]
+    three = weaver_jax.generate(bundle, prompts, max_new_tokens=4, eos_token_id=eos3)
+    assert three.tokens == [cut(t, 4, eos3) for t in free] and three.stats["finish_reasons"][1] == "stop"
+    assert len(programs) == 1, list(programs)
+
+
+def cut(tokens: list[int], n: int, eos: list[int]) -> list[int]:
+    """The first n of tokens generated without EOS, up to and with the first of `eos`."""
+    return next((tokens[: i + 1] for i, t in enumerate(tokens[:n]) if t in eos), tokens[:n])
 
 
 def test_pad_to_shares_one_compilation_and_changes_nothing():
@@ -205,3 +217,9 @@ def test_ar_generate_is_a_pure_jittable_function():
     assert np.array_equal(out.cache.lengths, lengths + 4)  # the last token is not yet in the cache
     high = weaver_jax.generate(bundle, [[3, 4, 5], [6, 7, 8, 9]], max_new_tokens=5).tokens
     assert np.asarray(out.tokens).tolist() == high
+    # a traced limit under a wider buffer, and traced EOS ids (-1: none): what generate passes
+    out = weaver_jax.ar_generate(params, KVCache.init(bundle.config, 2, 32), prompts, lengths,
+                                 weaver_jax.sequence_keys(0, 2), 3, jnp.asarray([high[1][1], -1]),
+                                 graphdef=graphdef, max_new_tokens=8)
+    assert out.tokens.shape == (2, 8) and np.asarray(out.num_tokens).tolist() == [3, 2]
+    assert np.asarray(out.tokens).tolist() == [high[0][:3] + [-1] * 5, high[1][:2] + [-1] * 6]

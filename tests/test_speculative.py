@@ -63,7 +63,8 @@ def test_shallow_trees_are_lossless(method, options):
 
 
 @pytest.mark.parametrize("method,options", METHODS)
-def test_eos_and_max_new_tokens_are_exact(method, options):
+def test_eos_and_max_new_tokens_are_exact(method, options, programs):
+    """...in one compiled program per method, whatever max_new_tokens (up to 32) and EOS ids."""
     rb = random_bundle(3, block_size=6)
     oracle = OracleDrafter(rb.config, block_size=6, corrupt=True)
     bundle = weaver_jax.Bundle(rb.target, drafter=oracle, adapter=rb.adapter)
@@ -77,6 +78,7 @@ def test_eos_and_max_new_tokens_are_exact(method, options):
     spec = weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=15, eos_token_id=eos, **options)
     assert spec.tokens == ar
     assert ar[0] == free[0][: free[0].index(eos) + 1]
+    assert len(programs) == 2, list(programs)  # ar's and the method's
 
 
 @pytest.mark.parametrize("method,options", METHODS)

@@ -33,7 +33,7 @@ class ARState(NamedTuple):
     step: jax.Array  # scalar int32: tokens emitted so far by the longest-running sequence
     last: jax.Array  # [B] int32: last emitted token (not yet in the cache)
     cache: KVCache
-    tokens: jax.Array  # [B, max_new_tokens] int32, -1 past each sequence's end
+    tokens: jax.Array  # [B, max_new_tokens] int32, -1 past each sequence's end (max_new_tokens: the buffer's width)
     num_tokens: jax.Array  # [B] int32
     done: jax.Array  # [B] bool
 
@@ -53,18 +53,43 @@ class AROutput(NamedTuple):
     cache: KVCache  # committed: prompt + all emitted tokens but the last
 
 
-def _emit(state: ARState, token: jax.Array, active: jax.Array, eos_ids: tuple[int, ...],
-          max_new_tokens: int) -> ARState:
-    col = jnp.where(active, state.num_tokens, max_new_tokens)  # out of range: dropped
+def is_eos(tokens: jax.Array, eos_ids) -> jax.Array:
+    """Which of `tokens` are among `eos_ids` (ids: a tuple, or an int32 array, traced or not; -1 pads it)."""
+    eos = jnp.asarray(eos_ids, jnp.int32).reshape(-1)
+    return jnp.isin(tokens, eos) if eos.size else jnp.zeros(jnp.shape(tokens), bool)
+
+
+def _emit(state: ARState, token: jax.Array, active: jax.Array, eos_ids, limit) -> ARState:
+    """Write each active sequence's `token`; it is done at an EOS id or at `limit` tokens (<= the buffer's width)."""
+    col = jnp.where(active, state.num_tokens, state.tokens.shape[1])  # out of range: dropped
     tokens = state.tokens.at[jnp.arange(token.shape[0]), col].set(token, mode="drop")
     num_tokens = state.num_tokens + active
-    hit_eos = jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else False
-    done = state.done | (active & hit_eos) | (num_tokens >= max_new_tokens)
+    done = state.done | (active & is_eos(token, eos_ids)) | (num_tokens >= limit)
     last = jnp.where(active, token, state.last)
     return state._replace(last=last, tokens=tokens, num_tokens=num_tokens, done=done)
 
 
-_AR_STATIC = ("graphdef", "max_new_tokens", "sampling", "eos_ids", "kernels", "exact")
+# eos_ids and limit are traced (not static): a program serves every EOS set of one length and every limit up to
+# its buffer's width (`generate` pads the one and rounds the other up: `eos_array`, `token_buffer`)
+_AR_STATIC = ("graphdef", "max_new_tokens", "sampling", "kernels", "exact")
+
+
+def token_buffer(max_new_tokens: int) -> int:
+    """The width of the tokens buffer `generate` gives a call of `max_new_tokens` (passed as its traced `limit`):
+    the power of two that holds them, at least 32, so that calls of nearby lengths share one compiled program."""
+    return max(32, 1 << (int(max_new_tokens) - 1).bit_length())
+
+
+def eos_array(eos_ids: Sequence[int]) -> np.ndarray:
+    """EOS ids as the traced `eos_ids` argument `generate` passes: int32, padded with -1 (no token) to a power of two,
+    at least 4, so that EOS sets of nearby sizes (none included) share one compiled program."""
+    out = np.full(max(4, 1 << max(len(eos_ids) - 1, 0).bit_length()), -1, np.int32)
+    out[: len(eos_ids)] = eos_ids
+    return out
+
+
+def _limit(limit, max_new_tokens: int):
+    return max_new_tokens if limit is None else limit
 
 
 @functools.partial(jax.jit, static_argnames=_AR_STATIC, donate_argnames=("cache",))
@@ -74,11 +99,12 @@ def ar_generate(
     prompts: jax.Array,
     prompt_lengths: jax.Array,
     keys: jax.Array,
+    limit: jax.Array | int | None = None,
+    eos_ids: Sequence[int] | jax.Array = (),
     *,
     graphdef: nnx.GraphDef,
     max_new_tokens: int,
     sampling: Sampling = _GREEDY,
-    eos_ids: tuple[int, ...] = (),
     kernels: tuple[str, ...] = (),
     exact: bool = False,
 ) -> AROutput:
@@ -87,7 +113,10 @@ def ar_generate(
 
     graphdef, params = `nnx.split(target)`. keys `[B]`: one PRNG key per sequence.
     The cache needs `cache.lengths + T` and `cache.lengths + prompt_lengths + max_new_tokens`
-    slots; it is donated. kernels: the Pallas kernels to use (names). exact: the target's
+    slots; it is donated. eos_ids (traced: a program per their count): ids that end a sequence, -1 for none.
+    limit (traced, default max_new_tokens): at most this many tokens per sequence, max_new_tokens then only the
+    tokens buffer's width (`generate` passes `token_buffer(n)` and n: nearby lengths share a program); the cache
+    needs room for `limit` tokens (not checked). kernels: the Pallas kernels to use (names). exact: the target's
     row-invariant forward (`Transformer.__call__`), whose tokens every speculative method reproduces
     bitwise with `exact=True` (on a GPU, in a program compiled as `generate` compiles it: `exact_jit`).
     Inside a JAX program of your own (`generate` is the host wrapper around it):
@@ -100,21 +129,25 @@ def ar_generate(
     """
     with kernel_scope(kernels):
         return _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids,
-                            exact)
+                            exact, limit)
 
 
-def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids, exact):
+def _ar_generate(params, cache, prompts, prompt_lengths, keys, graphdef, max_new_tokens, sampling, eos_ids, exact,
+                 limit=None):
     model = nnx.merge(graphdef, params)
-    state = _ar_start(model, cache, prompts, prompt_lengths, keys, max_new_tokens, sampling, eos_ids, exact)
+    state = _ar_start(model, cache, prompts, prompt_lengths, keys, max_new_tokens, sampling, eos_ids, exact, limit)
+    limit = _limit(limit, max_new_tokens)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                               lambda s: _ar_step(model, s, keys, max_new_tokens, sampling, eos_ids, exact), state)
+                               lambda s: _ar_step(model, s, keys, limit, sampling, eos_ids, exact), state)
     return AROutput(state.tokens, state.num_tokens, state.step, state.last, state.cache)
 
 
-def _ar_start(model, cache, prompts, prompt_lengths, keys, max_new_tokens, sampling, eos_ids, exact) -> ARState:
-    """The prefill and the first token."""
+def _ar_start(model, cache, prompts, prompt_lengths, keys, max_new_tokens, sampling, eos_ids, exact,
+              limit=None) -> ARState:
+    """The prefill and the first token (max_new_tokens: the tokens buffer's width; limit: see `ar_generate`)."""
     b, t = prompts.shape
-    if t + max_new_tokens > cache.size:  # necessary even for an empty cache; slots would be clamped
+    # necessary even for an empty cache; slots would be clamped (a traced limit: the caller checks)
+    if limit is None and t + max_new_tokens > cache.size:
         raise ValueError(f"cache of {cache.size} slots cannot hold prompts of {t} + {max_new_tokens} new tokens")
     out = model.prefill(prompts, cache, prompt_lengths, logits_rows=(prompt_lengths - 1)[:, None], exact=exact)
     state = ARState(
@@ -122,26 +155,26 @@ def _ar_start(model, cache, prompts, prompt_lengths, keys, max_new_tokens, sampl
         tokens=jnp.full((b, max_new_tokens), -1, jnp.int32),
         num_tokens=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool))
     first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
-    return _emit(state, first, jnp.ones((b,), bool), eos_ids, max_new_tokens)
+    return _emit(state, first, jnp.ones((b,), bool), eos_ids, _limit(limit, max_new_tokens))
 
 
-def _ar_step(model, s: ARState, keys, max_new_tokens, sampling, eos_ids, exact) -> ARState:
-    """One decode step of the sequences not done."""
+def _ar_step(model, s: ARState, keys, limit, sampling, eos_ids, exact) -> ARState:
+    """One decode step of the sequences not done (limit: the most tokens a sequence emits)."""
     active = ~s.done
     o = model(s.last[:, None], s.cache.lengths[:, None], s.cache, exact=exact)
     cache = model.commit(o.cache, o.pending, jnp.zeros((s.last.shape[0], 1), jnp.int32), active.astype(jnp.int32))
     token = select(o.logits[:, 0], keys, s.num_tokens, sampling)  # per sequence: a batch's rows may start apart
     s = s._replace(step=s.step + 1, cache=cache)
-    return _emit(s, token, active, eos_ids, max_new_tokens)
+    return _emit(s, token, active, eos_ids, limit)
 
 
 @functools.partial(jax.jit, static_argnames=_AR_STATIC, donate_argnames=("cache",))
-def ar_start(params, cache, prompts, prompt_lengths, keys, *, graphdef, max_new_tokens, sampling=_GREEDY,
-             eos_ids=(), kernels=(), exact=False) -> ARState:
+def ar_start(params, cache, prompts, prompt_lengths, keys, limit=None, eos_ids=(), *, graphdef, max_new_tokens,
+             sampling=_GREEDY, kernels=(), exact=False) -> ARState:
     """`ar_generate`'s prefill alone (same arguments): -> the state `ar_advance` continues."""
     with kernel_scope(kernels):
         return _ar_start(nnx.merge(graphdef, params), cache, prompts, prompt_lengths, keys, max_new_tokens, sampling,
-                         eos_ids, exact)
+                         eos_ids, exact, limit)
 
 
 MAX_ROUNDS_PER_CALL = 64  # the most rounds (decode steps for "ar") a streaming call runs: its window's width
@@ -155,17 +188,18 @@ def weight_leaves(*states) -> tuple[list[jax.Array], jax.treedef]:
 
 
 @functools.partial(jax.jit, static_argnames=(*_AR_STATIC, "weights_tree"), donate_argnames=("state",))
-def ar_advance(weights, state: ARState, keys, halt, steps, leave, *, weights_tree, graphdef, max_new_tokens,
-               sampling=_GREEDY, eos_ids=(), kernels=(), exact=False) -> tuple[ARState, jax.Array]:
+def ar_advance(weights, state: ARState, keys, halt, steps, leave, limit=None, eos_ids=(), *, weights_tree, graphdef,
+               max_new_tokens, sampling=_GREEDY, kernels=(), exact=False) -> tuple[ARState, jax.Array]:
     """Up to `steps` (<= MAX_ROUNDS_PER_CALL, traced) more decode steps of `ar_start`'s state (sequences with
     `halt [B]` set end first; with `leave` (a traced bool) the call ends once a sequence does): -> (the state,
     the tokens this call emitted `[B, min(MAX_ROUNDS_PER_CALL, max_new_tokens)]`, -1 past each sequence's
-    count). weights, weights_tree: `weight_leaves(params)`."""
+    count). weights, weights_tree: `weight_leaves(params)`; limit, eos_ids: `ar_start`'s."""
     (params,) = jax.tree.unflatten(weights_tree, weights)
     model = nnx.merge(graphdef, params)
     with kernel_scope(kernels):
         return advance(state._replace(done=state.done | halt), steps, leave, min(MAX_ROUNDS_PER_CALL, max_new_tokens),
-                       lambda s: _ar_step(model, s, keys, max_new_tokens, sampling, eos_ids, exact))
+                       lambda s: _ar_step(model, s, keys, _limit(limit, max_new_tokens), sampling, eos_ids,
+                                          exact))
 
 
 def advance(state, iterations, leave, width: int, body):
@@ -464,7 +498,8 @@ def _tables(bundle, target_split, adapter_split):
 def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
              method_options, round_only=False, pad_to=None, exact=False, caches=None, cache_size=None, splits=None,
              nodes=None):
-    """Validation, padding and the jitted function's arguments: -> (fn, static, args). caches: the target's
+    """Validation, padding and the jitted function's arguments: -> (fn, static, args), args ending with the traced
+    limit and EOS ids (`generate_limits`; static["max_new_tokens"] is the tokens buffer's width). caches: the target's
     (and for a speculative method the drafter's) to prefill after what they hold, instead of fresh ones;
     cache_size: fresh caches of that many slots (rows that join a batch with caches of that size: `Slots`);
     splits: `split_models(bundle, method)` made before; nodes: room for trees this large instead of the method's
@@ -509,7 +544,8 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
     for i, p in enumerate(prompts):
         batch[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    static = dict(graphdef=graphdef, max_new_tokens=int(max_new_tokens), sampling=sampling, eos_ids=eos_ids,
+    # the limit and the EOS ids traced, the buffer bucketed: nearby lengths and EOS sets share a program
+    static = dict(graphdef=graphdef, max_new_tokens=token_buffer(max_new_tokens), sampling=sampling,
                   kernels=enabled_kernels(), exact=exact)
     placed = functools.partial(_on_mesh, bundle.mesh)
     # each cache's slots past what it holds: the prompt, the new tokens and a tree (the drafter's: a block)
@@ -544,7 +580,15 @@ def _prepare(bundle, prompts, method, max_new_tokens, temperature, top_k, top_p,
         adapter_graphdef, adapter_params = splits["adapter"]
         static.update(adapter_graphdef=adapter_graphdef)
         args += [adapter_params, splits["tables"]]
-    return fn, static, args
+    elif method != "ar":
+        args += [None, None]
+    return fn, static, args + [np.int32(max_new_tokens), eos_array(eos_ids)]
+
+
+def generate_limits(args: list) -> tuple[int, tuple[int, ...]]:
+    """The max_new_tokens and EOS ids among `_prepare`'s `args` (its last two)."""
+    limit, eos = args[-2:]
+    return int(limit), tuple(int(e) for e in np.asarray(eos) if e >= 0)
 
 
 def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temperature: float = 0.0,
@@ -565,7 +609,8 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
         this device's measured round times and adapted as acceptance changes: `weaver_jax._auto`). Every method
         emits what "ar" emits: greedy tokens equal, sampled tokens the same for a seed - up to a near-tie's
         rounding in bfloat16, none with `exact=True`.
-    max_new_tokens: per prompt, EOS included when hit.
+    max_new_tokens: per prompt, EOS included when hit (a traced limit: calls of up to the same power of two, at
+        least 32, share a compiled program, and so do EOS sets of up to 4 ids).
     temperature, top_k, top_p: sampling filters (temperature 0: greedy).
     seed: an int (sequence i draws from `fold_in(key(seed), i)`) or one seed per prompt; generated token t of a
         sequence is drawn with `fold_in(its key, t)` in every method.
@@ -620,7 +665,7 @@ def generate(bundle, prompts, *, method: str = "ar", max_new_tokens: int, temper
     counts = np.asarray(out.num_tokens)[:real]
     tokens = np.asarray(out.tokens)[:real]
     tokens = [tokens[i, : counts[i]].tolist() for i in range(len(counts))]
-    reasons = [finish_reason(t, static["eos_ids"], max_new_tokens) for t in tokens]
+    reasons = [finish_reason(t, generate_limits(args)[1], max_new_tokens) for t in tokens]
     return GenerateResult(tokens, run_stats(out, method, tokens, seconds, t1 - t0, static, real, reasons))
 
 

@@ -244,7 +244,7 @@ class SpecState(NamedTuple):
     root_state: jax.Array  # [B, D] ("weaver") the target's final normed state that produced root
     cache: KVCache
     drafter_cache: KVCache
-    tokens: jax.Array  # [B, max_new_tokens]
+    tokens: jax.Array  # [B, max_new_tokens] (max_new_tokens: the buffer's width)
     num_tokens: jax.Array  # [B]
     done: jax.Array  # [B]
     seq_rounds: jax.Array  # [B] verifications that emitted tokens for this sequence
@@ -269,19 +269,21 @@ class SpecOutput(NamedTuple):
     drafter_cache: KVCache
 
 
-def _emit(tokens, num_tokens, new, count, max_new_tokens):
+def _emit(tokens, num_tokens, new, count):
     """Write `new [B, P]`'s first `count [B]` tokens after each sequence's `num_tokens`."""
     p = new.shape[1]
     cols = num_tokens[:, None] + jnp.arange(p)[None, :]
-    cols = jnp.where(jnp.arange(p)[None, :] < count[:, None], cols, max_new_tokens)
+    cols = jnp.where(jnp.arange(p)[None, :] < count[:, None], cols, tokens.shape[1])  # out of range: dropped
     return row_set(tokens, cols, new, mode="drop")
 
 
 def _truncate(new, count, eos_ids, room):
-    """Tokens emitted this round stop after the first EOS and at the room left: -> (count, hit)."""
+    """Tokens emitted this round stop after the first EOS (`eos_ids`: a tuple or an int32 array, -1 pads it) and at
+    the room left: -> (count, hit)."""
     p = new.shape[1]
-    if eos_ids:
-        is_eos = jnp.isin(new, jnp.asarray(eos_ids, jnp.int32)) & (jnp.arange(p)[None, :] < count[:, None])
+    eos = jnp.asarray(eos_ids, jnp.int32).reshape(-1)
+    if eos.size:
+        is_eos = jnp.isin(new, eos) & (jnp.arange(p)[None, :] < count[:, None])
         first = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, p + 1)
         count = jnp.minimum(count, first)
         hit = first <= p
@@ -338,7 +340,9 @@ def _final_state(p: _Parts, hidden, index):  # [B, T, D] last-layer outputs, ind
 
 
 def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids,
-             max_new_tokens) -> SpecState:
+             max_new_tokens, limit=None) -> SpecState:
+    """max_new_tokens: the tokens buffer's width; limit (traced; default max_new_tokens): the most a sequence emits."""
+    limit = max_new_tokens if limit is None else limit
     b, t = prompts.shape
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
     keeps_state = p.method == "weaver"
@@ -348,14 +352,14 @@ def _prefill(p: _Parts, cache, drafter_cache, prompts, prompt_lengths, keys, sam
     drafter_cache = p.drafter.commit(drafter_cache, out.hidden[: len(p.layer_ids)], positions, prompt_lengths)
     cache = out.cache
     first = select(out.logits[:, 0], keys, jnp.int32(0), sampling)
-    count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), max_new_tokens))
+    count, hit = _truncate(first[:, None], jnp.ones((b,), jnp.int32), eos_ids, jnp.full((b,), limit))
     return SpecState(
         rounds=jnp.int32(0), root=first,
         root_state=_final_state(p, out.hidden, prompt_lengths - 1) if keeps_state else jnp.zeros((b, 0)),
         cache=cache, drafter_cache=drafter_cache,
         tokens=_emit(jnp.full((b, max_new_tokens), -1, jnp.int32), jnp.zeros((b,), jnp.int32), first[:, None],
-                     count, max_new_tokens),
-        num_tokens=count, done=hit | (count >= max_new_tokens), seq_rounds=jnp.zeros((b,), jnp.int32),
+                     count),
+        num_tokens=count, done=hit | (count >= limit), seq_rounds=jnp.zeros((b,), jnp.int32),
         histogram=jnp.zeros((b, p.depth + 2), jnp.int32))
 
 
@@ -408,8 +412,9 @@ def round_noise(p: _Parts, s: SpecState, keys: jax.Array, sampling: Sampling) ->
     return depth_noise(keys, s.num_tokens, p.depth + 1, p.target.config.vocab_size)
 
 
-def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> tuple[SpecState, Tree, Acceptance]:
-    """One round: draft, build the tree, verify, accept, commit. -> (state, the tree, its acceptance)."""
+def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, limit) -> tuple[SpecState, Tree, Acceptance]:
+    """One round: draft, build the tree, verify, accept, commit (limit: the most tokens a sequence emits, <= the
+    tokens buffer's width). -> (state, the tree, its acceptance)."""
     b = s.root.shape[0]
     p = _keeping_state(p, s.root_state)
     noise = round_noise(p, s, keys, sampling)
@@ -423,20 +428,20 @@ def _round(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> 
     new = jnp.concatenate([new[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     new = row_set(new, acc.length - 1, acc.bonus)
     last = jnp.take_along_axis(path, (acc.length - 1)[:, None], axis=1)[:, 0]
-    return _emit_round(p, s, verify, moved, path, new, acc.length, last, eos_ids, max_new_tokens), tree, acc
+    return _emit_round(p, s, verify, moved, path, new, acc.length, last, eos_ids, limit), tree, acc
 
 
 def _emit_round(p: _Parts, s: SpecState, verify: ForwardOutput, cache: KVCache, path, new, length, last, eos_ids,
-                max_new_tokens) -> SpecState:
+                limit) -> SpecState:
     """A round's end: emit `new [B, P]`'s first `length [B]` tokens (cut at EOS and at max_new_tokens), commit the
     accepted nodes `path [B, P]` (root first; their K/V already moved in `cache`) to the target and their features
     to the drafter, and make the last emitted token the next root (produced at node `last [B]`)."""
     active = ~s.done
-    count, hit = _truncate(new, length, eos_ids, max_new_tokens - s.num_tokens)
+    count, hit = _truncate(new, length, eos_ids, limit - s.num_tokens)
     count = jnp.where(active, count, 0)
-    tokens = _emit(s.tokens, s.num_tokens, new, count, max_new_tokens)
+    tokens = _emit(s.tokens, s.num_tokens, new, count)
     num_tokens = s.num_tokens + count
-    done = s.done | (active & hit) | (num_tokens >= max_new_tokens)
+    done = s.done | (active & hit) | (num_tokens >= limit)
 
     committed_positions = s.cache.lengths[:, None] + jnp.arange(path.shape[1])[None, :]
     features = tuple(jnp.take_along_axis(h, path[:, :, None], axis=1) for h in verify.hidden[: len(p.layer_ids)])
@@ -454,7 +459,7 @@ def _emit_round(p: _Parts, s: SpecState, verify: ForwardOutput, cache: KVCache, 
                      s.seq_rounds + active, histogram)
 
 
-def _step(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> SpecState:
+def _step(p: _Parts, s: SpecState, keys, sampling, eos_ids, limit) -> SpecState:
     """A round with no draft (method "ar" inside a speculative state: method="auto"'s plain tier): `ar`'s decode
     step at the root, its token drawn with the same key, and the root's features committed to the drafter's
     context so that a drafted round can follow."""
@@ -465,14 +470,14 @@ def _step(p: _Parts, s: SpecState, keys, sampling, eos_ids, max_new_tokens) -> S
     b = token.shape[0]
     root_only = jnp.zeros((b, 1), jnp.int32)
     return _emit_round(p, s, verify, verify.cache, root_only, token[:, None], jnp.ones((b,), jnp.int32),
-                       root_only[:, 0], eos_ids, max_new_tokens)
+                       root_only[:, 0], eos_ids, limit)
 
 
-def _body(p: _Parts, keys, sampling, eos_ids, max_new_tokens):
+def _body(p: _Parts, keys, sampling, eos_ids, limit):
     """The loop's body for `p.method`: a speculative round, or `_step` for "ar"."""
     if p.method == "ar":
-        return lambda s: _step(p, s, keys, sampling, eos_ids, max_new_tokens)
-    return lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0]
+        return lambda s: _step(p, s, keys, sampling, eos_ids, limit)
+    return lambda s: _round(p, s, keys, sampling, eos_ids, limit)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("adapter_graphdef", "graphdef"))
@@ -484,23 +489,25 @@ def weaver_tables(adapter_params, params, *, adapter_graphdef, graphdef) -> Tabl
     return nnx.merge(adapter_graphdef, adapter_params).tables(nnx.merge(graphdef, params))
 
 
+# eos_ids and limit are traced, as `ar_generate`'s
 _STATIC = ("graphdef", "drafter_graphdef", "adapter_graphdef", "method", "options", "max_new_tokens", "sampling",
-           "eos_ids", "kernels", "exact")
+           "kernels", "exact")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "drafter_cache"))
 def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
-                  adapter_params=None, tables=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
-                  options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-                  eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (), exact: bool = False) -> SpecOutput:
+                  adapter_params=None, tables=None, limit=None, eos_ids=(), *, graphdef, drafter_graphdef,
+                  adapter_graphdef=None, method: str, options: tuple = (), max_new_tokens: int,
+                  sampling: Sampling = _GREEDY, kernels: tuple[str, ...] = (), exact: bool = False) -> SpecOutput:
     """Speculative counterpart of `ar_generate` (same prompt, cache and key conventions).
 
     options: the static method options as a sorted tuple of (name, value) (`tree_options`). The
     target cache needs `T + max_new_tokens + N` slots, the drafter cache `T + max_new_tokens +
     block_size`. "weaver" also takes the adapter's params and graphdef, and `weaver_tables`' result (made
-    inside when None). kernels: the Pallas kernels to use (`weaver_jax.pallas_kernels.KERNELS` names). exact:
-    the target's row-invariant forward, which makes the output bitwise `ar_generate(..., exact=True)`'s in any
-    dtype. The chain inside a JAX program of your own (`generate` resolves the options for you):
+    inside when None). limit, eos_ids: traced, as `ar_generate`'s. kernels: the Pallas kernels to use
+    (`weaver_jax.pallas_kernels.KERNELS` names). exact: the target's row-invariant forward, which makes the
+    output bitwise `ar_generate(..., exact=True)`'s in any dtype. The chain inside a JAX program of your own
+    (`generate` resolves the options for you):
 
         graphdef, params = nnx.split(bundle.target)
         drafter_graphdef, drafter_params = nnx.split(bundle.drafter)
@@ -513,34 +520,38 @@ def spec_generate(params, drafter_params, cache: KVCache, drafter_cache: KVCache
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
                    options, exact, tables)
-        state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
+        state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens,
+                         limit)
+        limit = max_new_tokens if limit is None else limit
         state = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                                   lambda s: _round(p, s, keys, sampling, eos_ids, max_new_tokens)[0], state)
+                                   lambda s: _round(p, s, keys, sampling, eos_ids, limit)[0], state)
     return SpecOutput(state.tokens, state.num_tokens, state.rounds, state.seq_rounds, state.histogram,
                       state.cache, state.drafter_cache)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "drafter_cache"))
 def spec_start(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
-               adapter_params=None, tables=None, *, graphdef, drafter_graphdef, adapter_graphdef=None, method: str,
-               options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-               eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (), exact: bool = False) -> SpecState:
+               adapter_params=None, tables=None, limit=None, eos_ids=(), *, graphdef, drafter_graphdef,
+               adapter_graphdef=None, method: str, options: tuple = (), max_new_tokens: int,
+               sampling: Sampling = _GREEDY, kernels: tuple[str, ...] = (), exact: bool = False) -> SpecState:
     """`spec_generate`'s prefill alone (same arguments): -> the state `spec_advance` continues."""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
                    options, exact, tables)
-        return _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
+        return _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens,
+                        limit)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "weights_tree"), donate_argnames=("state",))
-def spec_advance(weights, state: SpecState, keys, halt, rounds, leave, *, weights_tree, graphdef, drafter_graphdef,
-                 adapter_graphdef=None, method: str, options: tuple = (), max_new_tokens: int,
-                 sampling: Sampling = _GREEDY, eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (),
+def spec_advance(weights, state: SpecState, keys, halt, rounds, leave, limit=None, eos_ids=(), *, weights_tree,
+                 graphdef, drafter_graphdef, adapter_graphdef=None, method: str, options: tuple = (),
+                 max_new_tokens: int, sampling: Sampling = _GREEDY, kernels: tuple[str, ...] = (),
                  exact: bool = False) -> tuple[SpecState, jax.Array]:
     """Up to `rounds` (<= MAX_ROUNDS_PER_CALL, traced) more rounds of `spec_start`'s state (sequences with
     `halt [B]` set end first; with `leave` (a traced bool) the call ends once a sequence does): -> (the state, the
     tokens emitted by this call `[B, min(MAX_ROUNDS_PER_CALL x (depth + 1), max_new_tokens)]`, -1 past each one's
-    count). weights, weights_tree: `weight_leaves(params, drafter_params, adapter_params, tables)`."""
+    count). weights, weights_tree: `weight_leaves(params, drafter_params, adapter_params, tables)`; limit,
+    eos_ids: `spec_start`'s."""
     from weaver_jax._generate import MAX_ROUNDS_PER_CALL, advance
 
     params, drafter_params, adapter_params, tables = jax.tree.unflatten(weights_tree, weights)
@@ -549,20 +560,21 @@ def spec_advance(weights, state: SpecState, keys, halt, rounds, leave, *, weight
                    options, exact, tables)
         return advance(state._replace(done=state.done | halt), rounds, leave,
                        min(MAX_ROUNDS_PER_CALL * (p.depth + 1), max_new_tokens),
-                       _body(p, keys, sampling, eos_ids, max_new_tokens))
+                       _body(p, keys, sampling, eos_ids, max_new_tokens if limit is None else limit))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def spec_first_round(params, drafter_params, cache: KVCache, drafter_cache: KVCache, prompts, prompt_lengths, keys,
-                     adapter_params=None, tables=None, *, graphdef, drafter_graphdef, adapter_graphdef=None,
-                     method: str, options: tuple = (), max_new_tokens: int, sampling: Sampling = _GREEDY,
-                     eos_ids: tuple[int, ...] = (), kernels: tuple[str, ...] = (),
+                     adapter_params=None, tables=None, limit=None, eos_ids=(), *, graphdef, drafter_graphdef,
+                     adapter_graphdef=None, method: str, options: tuple = (), max_new_tokens: int,
+                     sampling: Sampling = _GREEDY, kernels: tuple[str, ...] = (),
                      exact: bool = False) -> tuple[Tree, Acceptance]:
     """The prefill and the first round of `spec_generate` (same arguments), for looking inside:
     -> (the proposal tree `[B, N]`, its acceptance: path `[B, K + 1]` of node indices, root first)."""
     with kernel_scope(kernels):
         p = _parts(params, drafter_params, adapter_params, graphdef, drafter_graphdef, adapter_graphdef, method,
                    options, exact, tables)
-        state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens)
-        _, tree, acc = _round(p, state, keys, sampling, eos_ids, max_new_tokens)
+        state = _prefill(p, cache, drafter_cache, prompts, prompt_lengths, keys, sampling, eos_ids, max_new_tokens,
+                         limit)
+        _, tree, acc = _round(p, state, keys, sampling, eos_ids, max_new_tokens if limit is None else limit)
     return tree, acc

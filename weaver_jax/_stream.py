@@ -118,9 +118,10 @@ class Loop:
             advance = _generate.ar_advance
         else:
             self._start = lambda a: self.programs[0](spec_start, *a)
-            weights, tree = _generate.weight_leaves(*args[:2], *(args[7:] or [None, None]))  # adapter, tables
+            weights, tree = _generate.weight_leaves(*args[:2], *args[7:9])  # adapter, tables (or None)
             advance = spec_advance
         self.keys = batch_keys(method, args)
+        self.limits = [jnp.asarray(a) for a in args[-2:]]  # the traced limit and EOS ids, uploaded once
         self._calls = {}  # tier name -> (its programs, the advance, the weights)
         for tier in tiers or [None]:
             own = {} if tier is None else {"method": tier.method, "options": tier.options}
@@ -147,7 +148,8 @@ class Loop:
         with _generate._mesh_scope(self.bundle):
             rounds = self._rounds(np.int32(self.pace.rounds if rounds is None else rounds))
             programs, advance, weights = self._calls[tier]
-            return programs(advance, weights, state, keys, self._halt(halted), rounds, self._leave(np.bool_(leave)))
+            return programs(advance, weights, state, keys, self._halt(halted), rounds, self._leave(np.bool_(leave)),
+                            *self.limits)
 
     def compile(self, state, keys, halted: np.ndarray, tiers: list[str]) -> None:
         """Compile these tiers' calls at once (threads: XLA compiles outside the GIL), running none."""
@@ -156,7 +158,7 @@ class Loop:
         def one(tier):
             programs, advance, weights = self._calls[tier]
             with _generate._mesh_scope(self.bundle):
-                programs.program(advance, weights, state, keys, halted, rounds, leave)
+                programs.program(advance, weights, state, keys, halted, rounds, leave, *self.limits)
 
         with concurrent.futures.ThreadPoolExecutor(len(tiers)) as pool:
             list(pool.map(one, tiers))
@@ -250,7 +252,7 @@ class Run:
                                              seed, eos_token_id, method_options, pad_to=pad_to, exact=exact,
                                              caches=caches, nodes=nodes)
         self.bundle, self.method, self.static, self.real = bundle, method, static, len(prompts)
-        self.max_new_tokens, self.eos_ids = max_new_tokens, static["eos_ids"]
+        self.max_new_tokens, self.eos_ids = max_new_tokens, _generate.generate_limits(args)[1]
         self.loop = Loop(bundle, method, static, args, rounds_per_call, tiers=tiers)
         batch = self.loop.keys.shape[0]  # a mesh may have padded the batch
         self.halted = np.zeros((batch,), bool)

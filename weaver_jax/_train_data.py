@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from weaver_jax._generate import _compiled, ar_generate, sequence_keys
+from weaver_jax._generate import _compiled, ar_generate, eos_array, sequence_keys
 from weaver_jax._model import KVCache
 from weaver_jax._prompts import clean_written_prompt
 from weaver_jax._sampling import Sampling
@@ -43,9 +43,8 @@ def _decode_batch(bundle, prompts: list[list[int]], *, temperature: float, seeds
     keys = sequence_keys(list(seeds) + [0] * (batch - n), batch)
     graphdef, params = nnx.split(bundle.target)
     cache = KVCache.init(bundle.config, batch, max_prompt_tokens + max_new_tokens)
-    static = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, sampling=Sampling(temperature),
-                  eos_ids=tuple(bundle.eos_token_ids))
-    args = (params, cache, jnp.asarray(tokens), jnp.asarray(lengths), keys)
+    static = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, sampling=Sampling(temperature))
+    args = (params, cache, jnp.asarray(tokens), jnp.asarray(lengths), keys, None, eos_array(bundle.eos_token_ids))
     out = _compiled(ar_generate, static, *args)(*args)
     counts, generated = np.asarray(out.num_tokens), np.asarray(out.tokens)
     return [generated[i, : counts[i]].tolist() for i in range(n)]
