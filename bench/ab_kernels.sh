@@ -5,8 +5,7 @@
 # (bench/round_profile.py, once per selection). Logs and JSON in $OUT.
 #   bash bench/ab_kernels.sh attention_from_qkv
 #   PARTS=verify NODES="16 32 64" FROM_QKV_MAX_NODES=1024 bash bench/ab_kernels.sh attention_from_qkv
-#     (the fused form at trees too, `_model.FROM_QKV_MAX_NODES`: where its decode-step win turns into a loss;
-#     KEYS_FROM_QKV_MAX_NODES=1024 instead: trees with the queries normed and rotated in XLA, the keys' share inside)
+#     (the fused form at larger trees too, `_model.FROM_QKV_MAX_NODES`: where its win turns into a loss)
 set -uo pipefail
 KERNEL=$1
 OUT=${OUT:-ab-logs}
@@ -16,11 +15,10 @@ SHAPES=${SHAPES:-smollm2-135m qwen3-8b}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 for sub in convert pallas_kernels; do [ -e weaver_jax/$sub ] || ln -s ../$sub weaver_jax/$sub; done
-# a bench script run with the library's FROM_QKV_MAX_NODES / KEYS_FROM_QKV_MAX_NODES overridden where set
+# a bench script run with the library's FROM_QKV_MAX_NODES overridden where set
 RUN="import runpy, sys
 from weaver_jax import _model
 _model.FROM_QKV_MAX_NODES = int('${FROM_QKV_MAX_NODES:-0}') or _model.FROM_QKV_MAX_NODES
-_model.KEYS_FROM_QKV_MAX_NODES = int('${KEYS_FROM_QKV_MAX_NODES:-0}') or _model.KEYS_FROM_QKV_MAX_NODES
 sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 # the GPU default without the kernel (both separators: verify.py's '+', WEAVER_JAX_KERNELS's ',')
 without() {

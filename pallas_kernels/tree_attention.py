@@ -182,23 +182,19 @@ def _normed_rotated(qkv_ref, rope_ref, norm_ref, nodes, first_column, eps: float
 
 
 def _partials_from_qkv_kernel(len_ref, qkv_ref, rope_ref, q_norm_ref, k_norm_ref, k_ref, v_ref, ancestors_ref,
-                              *refs, splits: int, least: int, min_keys: int, block_k: int, block_t: int, group: int,
-                              heads: int, kv_heads: int, scale: float, eps: float | None, given_q: bool):
+                              o_ref, m_ref, l_ref, k_out_ref, v_out_ref, *, splits: int, least: int, min_keys: int,
+                              block_k: int, block_t: int, group: int, heads: int, kv_heads: int, scale: float,
+                              eps: float | None):
     """`_partials_kernel` from the fused projection's output `qkv_ref [N, (H + 2 H_kv) D]`: each program norms and
-    rotates its query rows (given_q: reads them normed and rotated from `q_ref [N * H, D]`, the first of `refs`);
-    the tree split's programs its K/V head's new keys and values, and row block 0 of them writes those into the
-    cache (`k_out_ref`, `v_out_ref`: `k_ref`, `v_ref` aliased; no prefix program reads those slots). Rows past
-    the cache are neither written nor seen, as the model's `_write` drops them."""
-    q_ref, (o_ref, m_ref, l_ref, k_out_ref, v_out_ref) = (refs[0], refs[1:]) if given_q else (None, refs)
+    rotates its query rows; the tree split's programs its K/V head's new keys and values, and row block 0 of them
+    writes those into the cache (`k_out_ref`, `v_out_ref`: `k_ref`, `v_ref` aliased; no prefix program reads those
+    slots). Rows past the cache are neither written nor seen, as the model's `_write` drops them."""
     length, split, kv, writer = len_ref[...], pl.program_id(3), pl.program_id(1), pl.program_id(2) == 0
     busy = _busy_splits(length, splits, least, min_keys)
     n, d = ancestors_ref.shape[0], k_ref.shape[1]
     rows = m_ref.shape[0]
     nodes, q_rows = _query_rows(pl.program_id(2), rows, group, heads, n)
-    if given_q:
-        q = plgpu.load(q_ref.at[q_rows[:, None], jnp.arange(d)[None, :]])
-    else:
-        q = _normed_rotated(qkv_ref, rope_ref, q_norm_ref, nodes, (q_rows - nodes * heads) * d, eps)
+    q = _normed_rotated(qkv_ref, rope_ref, q_norm_ref, nodes, (q_rows - nodes * heads) * d, eps)
     carry = _prefix_share(_empty_softmax(rows, d), q, k_ref, v_ref, length, busy, block_k=block_k, scale=scale)
 
     def tree_block(i, c):  # the tree's keys from qkv, written to the cache once
@@ -389,7 +385,7 @@ def tree_attention_from_qkv_reference(qkv, rope, q_norm, k_norm, k_cache, v_cach
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "block_r", "block_k", "splits", "programs", "num_warps",
                                              "num_stages", "interpret", "poison"))
-def tree_attention_from_qkv(qkv, rope, q_norm, k_norm, k_cache, v_cache, lengths, ancestors, q=None, *, heads: int,
+def tree_attention_from_qkv(qkv, rope, q_norm, k_norm, k_cache, v_cache, lengths, ancestors, *, heads: int,
                             eps: float | None, block_r: int | None = None, block_k: int = 64,
                             splits: int | None = None, programs: int = PROGRAMS, num_warps: int = 4,
                             num_stages: int = 2, interpret: bool = False, poison: bool = False):
@@ -397,9 +393,7 @@ def tree_attention_from_qkv(qkv, rope, q_norm, k_norm, k_cache, v_cache, lengths
     qkv `[B, N, (H + 2 H_kv) D]` (q | k | v, bias added), rope `[B, N, 2, D]` (`rope_table`), q_norm, k_norm `[D]`
     (eps None: no q/k norm) -> (out `[B, N, H, D]`, k_cache, v_cache with the N new rows written at `[len, len +
     N)`; rows past the cache dropped). Saves the model's norm, rotation, slicing and cache-write launches (six a
-    layer at the Qwen3 shapes). q `[B, N, H, D]` (normed and rotated): the queries as given, only the keys and
-    values from qkv (every program of a tree would otherwise norm and rotate its rows again, once per prefix
-    split). poison: the partials and output only (the caches are aliased in)."""
+    layer at the Qwen3 shapes). poison: the partials and output only (the caches are aliased in)."""
     b, n, _ = qkv.shape
     s_len, kv, d = k_cache.shape[1:]
     plan = _plan(b, n, heads, kv, d, s_len, block_r, block_k, splits, programs)
@@ -412,15 +406,13 @@ def tree_attention_from_qkv(qkv, rope, q_norm, k_norm, k_cache, v_cache, lengths
     *partials, k_cache, v_cache = pallas_call(
         functools.partial(_partials_from_qkv_kernel, splits=plan.splits, least=plan.least, min_keys=plan.min_keys,
                           block_k=plan.block_k, block_t=plan.block_t, group=heads // kv, heads=heads, kv_heads=kv,
-                          scale=math.log2(math.e) / math.sqrt(d), eps=eps, given_q=q is not None),
-        [lengths, qkv, rope.astype(jnp.float32), q_norm, k_norm, k_cache, v_cache, ancestors.astype(jnp.int8),
-         *(() if q is None else (q.reshape(b, n * heads, d),))],
+                          scale=math.log2(math.e) / math.sqrt(d), eps=eps),
+        [lengths, qkv, rope.astype(jnp.float32), q_norm, k_norm, k_cache, v_cache, ancestors.astype(jnp.int8)],
         grid=(b, kv, plan.row_blocks, plan.splits + 1),
         in_specs=[pl.BlockSpec((None,), lambda i, k, j, c: (i,)),
                   pl.BlockSpec((None, n, qkv.shape[2]), lambda i, k, j, c: (i, 0, 0)),
                   pl.BlockSpec((None, n, 2, d), lambda i, k, j, c: (i, 0, 0, 0)), vector, vector,
-                  cache_spec, cache_spec, pl.BlockSpec((None, n, n), lambda i, k, j, c: (i, 0, 0)),
-                  *(() if q is None else (pl.BlockSpec((None, n * heads, d), lambda i, k, j, c: (i, 0, 0)),))],
+                  cache_spec, cache_spec, pl.BlockSpec((None, n, n), lambda i, k, j, c: (i, 0, 0))],
         out_specs=[*out_specs, cache_spec, cache_spec],
         out_shape=[*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],

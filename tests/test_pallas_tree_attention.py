@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from weaver_jax._model import apply_rope, rms_norm
 from weaver_jax._tree import Tree
 from weaver_jax.pallas_kernels import interpret
 from weaver_jax.pallas_kernels.tree_attention import (
@@ -82,9 +81,8 @@ def test_bfloat16_inputs_accumulate_in_float32():
     (2, 5, 8, 2, 16, 40, 1, 1e-6, dict(splits=3)), (1, 1, 4, 4, 32, 64, 0, None, {}),
     (3, 17, 8, 4, 16, 60, 3, 1e-6, dict(splits=2, block_r=16))])
 def test_attention_from_qkv_matches_norm_rotate_write_attend(case):
-    """The fused form (norms, rotation and cache writes inside the partials kernel; or the keys' share only, the
-    queries given) equals the model's steps in XLA (`tree_attention_from_qkv_reference`): the output and both
-    caches, fresh random inputs, outputs poisoned."""
+    """The fused form (norms, rotation and cache writes inside the partials kernel) equals the model's steps in
+    XLA (`tree_attention_from_qkv_reference`): the output and both caches, fresh random inputs, outputs poisoned."""
     b, n, h, kv, d, s, padding, eps, options = case
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
@@ -95,15 +93,9 @@ def test_attention_from_qkv_matches_norm_rotate_write_attend(case):
     q_norm, k_norm = (jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32) for _ in range(2))
     args = (qkv, rope, q_norm, k_norm, k_cache, v_cache, lengths, random_ancestors(rng, b, n, padding))
     want = jax.jit(tree_attention_from_qkv_reference, static_argnames=("heads", "eps"))(*args, heads=h, eps=eps)
-    q = qkv[..., : h * d].reshape(b, n, h, d)  # the queries normed and rotated outside, as the model can pass them
-    q = apply_rope(q if eps is None else rms_norm(q, q_norm, eps), lengths[:, None] + jnp.arange(n),
-                   1.0 / 10000 ** (np.arange(0, d, 2) / d))
-    for given in (None, q):
-        got = tree_attention_from_qkv(*args, given, heads=h, eps=eps, block_k=16, **options, interpret=interpret(),
-                                      poison=True)
-        for name, a, b_ in zip(("out", "k_cache", "v_cache"), got, want, strict=True):
-            np.testing.assert_allclose(a, b_, atol=2e-5, rtol=2e-5,
-                                       err_msg=f"{name}, queries given: {given is not None}, seed {seed}")
+    got = tree_attention_from_qkv(*args, heads=h, eps=eps, block_k=16, **options, interpret=interpret(), poison=True)
+    for name, a, b_ in zip(("out", "k_cache", "v_cache"), got, want, strict=True):
+        np.testing.assert_allclose(a, b_, atol=2e-5, rtol=2e-5, err_msg=f"{name}, seed {seed}")
 
 
 LIBRARY_SHAPES = [  # Qwen3-8B (32 / 8 heads, dim 128) at N = 1 / 64 / 256, B = 1 / 8; SmolLM2 (9 / 3, dim 64)
@@ -125,16 +117,15 @@ def test_lowers_for_cuda(shape, options):
         qkv = jax.ShapeDtypeStruct((b, n, (h + 2 * kv) * d), dtype)
         rope, norm = jax.ShapeDtypeStruct((b, n, 2, d), jnp.float32), jax.ShapeDtypeStruct((d,), dtype)
         lower_for_cuda(tree_attention_from_qkv, qkv, rope, norm, norm, *args[1:], heads=h, eps=1e-6)
-        lower_for_cuda(tree_attention_from_qkv, qkv, rope, norm, norm, *args[1:], args[0], heads=h, eps=1e-6)
 
 
 @pytest.mark.parametrize("method, options, temperature, search", [
     ("ar", {}, 0.0, None), ("dflash", {}, 0.0, None),  # (a DDTree round runs the same kernels as Weaver's)
     ("weaver", {"budget": 10}, 0.0, "kernels"), ("weaver", {"budget": 10}, 1.0, "xla")])
 def test_generation_with_kernels_equals_without(method, options, temperature, search, monkeypatch):
-    """The target's forward with the tree-attention kernel (prefill, decode steps - in the form that norms,
-    rotates and writes the cache itself - and verification),
-    the acceptance + commit kernel, and the Weaver search in its kernels (or, search "xla", in XLA
+    """The target's forward with the tree-attention kernel (prefill, decode steps and verification: up to 16 new
+    tokens in the form that norms, rotates and writes the cache itself, more in the two-step form), the
+    acceptance + commit kernel, and the Weaver search in its kernels (or, search "xla", in XLA
     with the adapter-attention kernel) emit the same tokens as the XLA paths (greedy, and sampled
     with the same key), and the kernels are really traced in."""
     import weaver_jax
@@ -146,13 +137,12 @@ def test_generation_with_kernels_equals_without(method, options, temperature, se
     from weaver_jax.testing import random_bundle
 
     calls, fused_calls, accepts, adapters, searches = [], [], [], [], []
-    # ar's decode steps norm, rotate and write the cache inside the kernel; the Weaver-with-kernels case's trees
-    # and prefill the keys' share only (`KEYS_FROM_QKV_MAX_NODES`, off by default)
-    fused = method == "ar" or search == "kernels"
-    if search == "kernels":
+    # prefill (a padded chunk) takes the two-step form; decode steps and these trees (up to 11 nodes) the fused
+    # form, but for the "xla" case's trees (`FROM_QKV_MAX_NODES` lowered to decode steps, which Weaver has none of)
+    if search == "xla":
         from weaver_jax import _model
 
-        monkeypatch.setattr(_model, "KEYS_FROM_QKV_MAX_NODES", 64)
+        monkeypatch.setattr(_model, "FROM_QKV_MAX_NODES", 1)
     for owner, name, log in ((module, "tree_attention", calls), (module, "tree_attention_from_qkv", fused_calls),
                              (accept_module, "accept_commit", accepts),
                              (adapter_module, "adapter_attention", adapters),
@@ -169,7 +159,7 @@ def test_generation_with_kernels_equals_without(method, options, temperature, se
             outputs.append(weaver_jax.generate(bundle, prompts, method=method, max_new_tokens=10, eos_token_id=[],
                                                temperature=temperature, top_k=20 if temperature else 0, seed=3,
                                                **options).tokens)
-        assert bool(calls) == (on and search != "kernels") and bool(fused_calls) == (on and fused)
+        assert bool(calls) == on and bool(fused_calls) == (on and search != "xla")
         assert bool(accepts) == (on and method != "ar")
         assert bool(adapters) == (on and search == "xla")
         assert bool(searches) == (on and search == "kernels")

@@ -29,11 +29,9 @@ from weaver_jax.pallas_kernels._call import context_mesh
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 # The most new tokens a sequence's forward may have for its attention to norm, rotate and write the cache inside
-# the tree-attention kernel (`attention_from_qkv`): decode steps (`Attention._attend_from_qkv` says why). Up to
-# KEYS_FROM_QKV_MAX_NODES, only the keys' and values' share (the queries normed and rotated once, in XLA): off
-# until measured (bench/ab_kernels.sh)
-FROM_QKV_MAX_NODES = 1
-KEYS_FROM_QKV_MAX_NODES = 0
+# the tree-attention kernel (`attention_from_qkv`): decode steps and the chain's 16-node verification
+# (`Attention._attend_from_qkv` says why)
+FROM_QKV_MAX_NODES = 16
 
 
 def fresh_cache(model, batch: int, size: int):
@@ -264,12 +262,11 @@ class Attention(nnx.Module):
         qkv = dense(x, self.qkv[...], exact, split=self.split("columns"))
         return qkv if self.qkv_bias is None else qkv + self.qkv_bias[...]
 
-    def project(self, x, positions, inv_freq, exact: bool = False, qkv=None):
-        """x `[B, T, D]` (or its `fused_qkv`) -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
+    def project(self, x, positions, inv_freq, exact: bool = False):
+        """x `[B, T, D]` -> q `[B, T, H, hd]`, k, v `[B, T, H_kv, hd]` (normed and rotated)."""
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.fused_qkv(x, exact) if qkv is None else qkv
-        q, k, v = split_grouped(qkv, self.fused()["qkv"][0], self.groups)
+        q, k, v = split_grouped(self.fused_qkv(x, exact), self.fused()["qkv"][0], self.groups)
         q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, kv, d), v.reshape(b, t, kv, d)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm[...], self.eps, exact=exact), rms_norm(k, self.k_norm[...], self.eps,
@@ -279,10 +276,9 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
         b, t, _ = x.shape
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if (t <= max(FROM_QKV_MAX_NODES, KEYS_FROM_QKV_MAX_NODES) and isinstance(mask, TreeVisibility)
-                and kernels_enabled("attention_from_qkv") and self._heads_whole_per_device()):
-            return self._attend_from_qkv(x, positions, inv_freq, k_cache, v_cache, lengths, mask,
-                                         queries_given=t > FROM_QKV_MAX_NODES)
+        if (t <= FROM_QKV_MAX_NODES and isinstance(mask, TreeVisibility) and kernels_enabled("attention_from_qkv")
+                and self._heads_whole_per_device()):
+            return self._attend_from_qkv(x, positions, inv_freq, k_cache, v_cache, lengths, mask)
         exact = isinstance(mask, PositionPath)
         q, k, v = self.project(x, positions, inv_freq, exact)
         k_cache, v_cache = _write(k_cache, k, lengths), _write(v_cache, v, lengths)
@@ -312,32 +308,32 @@ class Attention(nnx.Module):
         mesh = context_mesh()
         return mesh is None or self.groups == mesh.shape["model"]
 
-    def _attend_from_qkv(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask, queries_given: bool):
+    def _attend_from_qkv(self, x, positions, inv_freq, k_cache, v_cache, lengths, mask):
         """`__call__` with the q / k norms, the rotation and the cache writes inside the tree-attention kernel
-        (`tree_attention_from_qkv`: six launches a layer fewer at the Qwen3 shapes). Decode steps only (one new
-        token a sequence): measured on an H100, a step 11% faster at SmolLM2's shape and 2.5% at Qwen3-8B's, but a
-        64-node verification 8% / 17% slower (every program norms and rotates its query rows, once per prefix
-        split, and each tree program all the new keys, before its first product). queries_given: the queries
-        normed and rotated here, once (`KEYS_FROM_QKV_MAX_NODES`). Under a sharded bundle's mesh the kernel runs
-        per device on its sequences and heads (`per_shard`): its block of qkv's grouped columns, its caches' heads."""
+        (`tree_attention_from_qkv`: six launches a layer fewer at the Qwen3 shapes). Up to 16 new tokens a
+        sequence: measured on an H100, a step 11% faster at SmolLM2's shape and 2.5% at Qwen3-8B's, a 16-node
+        verification 5% / 0.4% faster, but 32 nodes +5% at 8B and 64 nodes +9% / +17% (every program norms and
+        rotates its query rows, once per prefix split, and each tree program all the new keys, before its first
+        product; with the queries normed and rotated once in XLA instead, 32 and 64 nodes lost as well). Under a
+        sharded bundle's mesh the kernel runs per device on its sequences and heads (`per_shard`): its block of
+        qkv's grouped columns, its caches' heads."""
         from weaver_jax.pallas_kernels._call import batch_heads, per_shard
         from weaver_jax.pallas_kernels.tree_attention import rope_table, tree_attention_from_qkv
 
         b, t, _ = x.shape
         qkv = self.fused_qkv(x)
         norms = (self.q_norm[...], self.k_norm[...]) if self.q_norm is not None else (None, None)
-        given = (self.project(x, positions, inv_freq, qkv=qkv)[0],) if queries_given else ()  # (k, v dropped)
         heads = self.num_heads // self.groups  # a device's
 
-        def attend(qkv, rope, k_cache, v_cache, lengths, ancestors, *q):
-            return tree_attention_from_qkv(qkv, rope, *norms, k_cache, v_cache, lengths, ancestors, *q, heads=heads,
+        def attend(qkv, rope, k_cache, v_cache, lengths, ancestors):
+            return tree_attention_from_qkv(qkv, rope, *norms, k_cache, v_cache, lengths, ancestors, heads=heads,
                                            eps=self.eps if self.q_norm is not None else None, interpret=interpret())
 
-        split = batch_heads(4, self.num_kv_heads)  # q, the caches, the output: batch and heads
+        split = batch_heads(4, self.num_kv_heads)  # the caches, the output: batch and heads
         o, k_cache, v_cache = per_shard(
-            attend, (qkv, rope_table(positions, inv_freq), k_cache, v_cache, lengths, mask.attend, *given),
-            (batch_heads(3, self.num_kv_heads), batch_heads(4), split, split, batch_heads(1), batch_heads(3),
-             *(split,) * len(given)), (split, split, split))
+            attend, (qkv, rope_table(positions, inv_freq), k_cache, v_cache, lengths, mask.attend),
+            (batch_heads(3, self.num_kv_heads), batch_heads(4), split, split, batch_heads(1), batch_heads(3)),
+            (split, split, split))
         return dense(o.reshape(b, t, -1), self.out[...], split=self.split("rows")), k_cache, v_cache
 
 
