@@ -20,8 +20,8 @@ Each kernel lives beside its pure-JAX reference and wrapper in one module:
     1.66x XLA's form at batch 1, 1.84x at 8; products in TF32 as XLA's own at the default precision).
   attention_from_qkv: tree_attention taking the fused qkv product's output, with the q / k norms, the
     rotation and both cache writes inside its kernel. Used by dense targets' decode steps and forwards of up to
-    16 new tokens (the chain's verification), per device under a sharded bundle's mesh (with tree_attention;
-    measured faster there, slower for 32- and 64-node trees).
+    16 new tokens (the chain's verification, the drafter's block), per device under a sharded bundle's mesh
+    (with tree_attention; measured faster there, slower for 32- and 64-node trees).
 
 One switch selects kernels: `use_kernels(True | False | None)`, or the environment variable
 `WEAVER_JAX_KERNELS=1 | 0`, turns all of them on or off (a comma-separated list of names: those). By
