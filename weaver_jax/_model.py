@@ -29,8 +29,8 @@ from weaver_jax.pallas_kernels._call import context_mesh
 
 _NEG_INF = float(jnp.finfo(jnp.float32).min)
 # The most new tokens a sequence's forward may have for its attention to norm, rotate and write the cache inside
-# the tree-attention kernel (`attention_from_qkv`): decode steps and the chain's 16-node verification
-# (`Attention._attend_from_qkv` says why)
+# the tree-attention kernel (`attention_from_qkv`): decode steps, the chain's 16-node verification and the
+# drafter's block (`Attention._attend_from_qkv` says why)
 FROM_QKV_MAX_NODES = 16
 
 
